@@ -1,0 +1,93 @@
+"""The flags every chapter shares: one dataclass of defaults, built by argparse, printed once at start."""
+import argparse
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Config:
+    """Everything a run depends on; the same flags work in every chapter."""
+
+    epochs: int = 5  # the quickstart's 5 epochs reach ~64% test accuracy
+    batch_size: int = 64  # GLOBAL batch: the DDP chapters split it evenly over the ranks
+    lr: float = 1e-3  # plain SGD at the quickstart's rate, so the curves match it
+    seed: int = 0  # same seed + same global batch = same model in every chapter
+    data_dir: Optional[str] = None  # torchvision layout; unset: ./data, the system copy, then download
+    device: Optional[str] = None  # unset: cuda if a GPU is visible, else cpu
+    output: Optional[str] = None  # folder for model.pth; unset: runs/<script name>
+    train_samples: Optional[int] = None  # train on the first N images only (quick runs, tests)
+    test_samples: Optional[int] = None  # evaluate on the first N test images only
+    log_every: int = 100  # batches between "loss:" lines, as in the quickstart
+
+    def describe(self):
+        """One line with every setting, for the top of the log."""
+        return "Config: " + " ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage block) and exits 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def build_parser(description=None):
+    """An argparse parser for the Config fields, with checks that reject bad values as usage errors."""
+    d = Config()
+    p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=_positive_int, default=d.epochs, help="passes over the training set (default %(default)s)")
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="GLOBAL batch size, summed over all ranks (default %(default)s)")
+    p.add_argument("--lr", type=_positive_float, default=d.lr, help="SGD learning rate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for the weights and the shuffling (default %(default)s)")
+    p.add_argument("--data-dir", default=d.data_dir, help="FashionMNIST folder (torchvision layout); default ./data, then the system copy, then download")
+    p.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N (default: cuda if visible, else cpu)")
+    p.add_argument("--output", default=d.output, help="folder for model.pth (default runs/<script name>)")
+    p.add_argument("--train-samples", type=_positive_int, default=d.train_samples, help="use only the first N training images")
+    p.add_argument("--test-samples", type=_positive_int, default=d.test_samples, help="use only the first N test images")
+    p.add_argument("--log-every", type=_positive_int, default=d.log_every, help="batches between loss lines (default %(default)s)")
+    return p
+
+
+def check_device(parser, device):
+    """Reject a --device this machine cannot use, as a usage error."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        parser.error(f"--device {device!r} is not a device; use cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device {device} but no GPU is visible here (check CUDA_VISIBLE_DEVICES, nvidia-smi); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            parser.error(f"--device {device} but only {torch.cuda.device_count()} GPU(s) are visible")
+    elif dev.type != "cpu":
+        parser.error(f"--device {device}: this tutorial runs on cpu or cuda")
+
+
+def parse_config(argv=None, description=None):
+    """Parse the command line (sys.argv by default) into a Config."""
+    parser = build_parser(description)
+    cfg = Config(**vars(parser.parse_args(argv)))
+    check_device(parser, cfg.device)
+    if cfg.output is None:
+        cfg.output = str(Path("runs") / Path(sys.argv[0]).stem)
+    return cfg
