@@ -36,14 +36,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive_int(text):
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def _positive_float(text):
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
     if not value > 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value

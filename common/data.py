@@ -65,22 +65,23 @@ def _find_split_files(folder, split):
 
 
 def _download(root):
-    """Let torchvision download FashionMNIST into root (torchvision layout); raise FatalError if it cannot."""
+    """Let torchvision download FashionMNIST into root; returns None on success, else why it could not."""
     if os.environ.get("FASHION_MNIST_OFFLINE"):
-        raise FatalError(f"FashionMNIST not found and FASHION_MNIST_OFFLINE is set; {HOW_TO_GET}")
+        return "FASHION_MNIST_OFFLINE is set, so no download was tried"
     try:
         from torchvision.datasets import FashionMNIST  # only needed here, so training never imports it
     except ImportError:
-        raise FatalError(f"FashionMNIST not found and torchvision is not installed to download it; {HOW_TO_GET}") from None
+        return "torchvision is not installed to download it"
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(30)  # no internet should fail fast, not hang
     try:
         for train in (True, False):
             FashionMNIST(root, train=train, download=True)
     except Exception as e:  # torchvision raises RuntimeError, URLError, ... when offline
-        raise FatalError(f"FashionMNIST not found offline and the download failed ({type(e).__name__}: {e}); {HOW_TO_GET}") from None
+        return f"the download failed ({type(e).__name__}: {e})"
     finally:
         socket.setdefaulttimeout(previous)
+    return None
 
 
 def locate_fashion_mnist(data_dir=None):
@@ -96,10 +97,10 @@ def locate_fashion_mnist(data_dir=None):
     for folder in searched:
         if _find_split_files(folder, "train") and _find_split_files(folder, "test"):
             return folder
-    _download(root)
-    if _find_split_files(root, "train") and _find_split_files(root, "test"):
+    why = _download(root)
+    if why is None and _find_split_files(root, "train") and _find_split_files(root, "test"):
         return root
-    raise FatalError(f"FashionMNIST not found in {', '.join(map(str, searched))}; {HOW_TO_GET}")
+    raise FatalError(f"FashionMNIST not found in {', '.join(map(str, searched))} and {why or 'the download left no files'}; {HOW_TO_GET}")
 
 
 class TensorImages(Dataset):

@@ -11,7 +11,7 @@ def run_main(main):
     try:
         main()
     except FatalError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print("error:", " ".join(str(e).split()), file=sys.stderr, flush=True)  # always one line
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)

@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh Debian/Ubuntu machine:
+#   make run    set up (venv, requirements, offline FashionMNIST) and train single_gpu.py
+#   make test   set up and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATA_PKG := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup data run test clean
+
+setup: $(VENV)/.installed data
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+# Debian's dataset-fashion-mnist package holds the real files, so no internet is needed.
+# Without apt-get, the scripts fall back to ./data or torchvision's download.
+data:
+	@if [ -f $(DATA_PKG) ]; then :; \
+	elif command -v apt-get >/dev/null; then \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends dataset-fashion-mnist) \
+		|| echo "note: could not install dataset-fashion-mnist; the scripts will look in ./data or download"; \
+	else echo "note: no apt-get; the scripts will look in ./data or download FashionMNIST"; fi
+
+run: setup
+	$(PY) single_gpu.py
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf runs .pytest_cache

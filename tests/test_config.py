@@ -1,0 +1,36 @@
+"""Shared flags: defaults, parsing, and one-line usage errors."""
+import pytest
+import torch
+
+from common.config import Config, parse_config
+
+
+def test_defaults_are_the_quickstarts():
+    cfg = parse_config([])
+    assert (cfg.epochs, cfg.batch_size, cfg.lr) == (5, 64, 1e-3)
+    assert cfg.output.startswith("runs")
+
+
+def test_flags_parse():
+    cfg = parse_config("--epochs 2 --batch-size 96 --lr 0.01 --seed 3 --device cpu --output out "
+                       "--train-samples 100 --test-samples 50 --log-every 7 --data-dir d".split())
+    assert cfg == Config(epochs=2, batch_size=96, lr=0.01, seed=3, data_dir="d", device="cpu", output="out",
+                         train_samples=100, test_samples=50, log_every=7)
+    assert cfg.describe().startswith("Config: epochs=2 batch_size=96 lr=0.01")
+
+
+BAD = [
+    ["--epochs", "0"], ["--epochs", "-1"], ["--epochs", "two"], ["--batch-size", "0"], ["--lr", "-0.1"],
+    ["--lr", "0"], ["--lr", "nan"], ["--train-samples", "0"], ["--device", "tpu"], ["--device", "banana"], ["--bogus"],
+]
+if not torch.cuda.is_available():
+    BAD.append(["--device", "cuda"])
+
+
+@pytest.mark.parametrize("argv", BAD, ids=" ".join)
+def test_bad_flag_is_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error:" in err

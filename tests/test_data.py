@@ -1,0 +1,112 @@
+"""Finding, decoding and serving FashionMNIST; the samplers that make every chapter see the same batches."""
+import gzip
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from common import data
+from common.errors import FatalError
+from conftest import SPLIT_SIZES, make_fake_fashion_mnist, write_idx
+
+
+@pytest.mark.parametrize("name", ["x-idx3-ubyte", "x-idx3-ubyte.gz"])
+def test_read_idx_round_trip(tmp_path, name):
+    t = torch.randint(0, 256, (5, 28, 28), dtype=torch.uint8)
+    assert torch.equal(data.read_idx(write_idx(tmp_path / name, t)), t)
+
+
+@pytest.mark.parametrize("layout,gz", [("torchvision", True), ("torchvision", False), ("flat", True), ("flat", False)])
+def test_load_from_data_dir(tmp_path, layout, gz):
+    written = make_fake_fashion_mnist(tmp_path, layout=layout, gz=gz)
+    assert data.locate_fashion_mnist(str(tmp_path)) == tmp_path
+    test_set = data.load_split(tmp_path, "test", torch.device("cpu"))
+    images, labels = written["test"]
+    assert len(test_set) == SPLIT_SIZES["test"]
+    assert torch.equal(test_set.images.squeeze(1), images) and torch.equal(test_set.labels, labels.long())
+
+
+def test_system_copy_is_used_when_no_data_dir(tmp_path, monkeypatch):
+    system = tmp_path / "usr-share"
+    make_fake_fashion_mnist(system, layout="flat")  # the Debian package's layout: four .gz files
+    monkeypatch.setattr(data, "SYSTEM_DIR", str(system))
+    monkeypatch.chdir(tmp_path)  # no ./data here
+    assert data.locate_fashion_mnist(None) == system
+
+
+def test_real_debian_copy_decodes(real_data):
+    test_set = data.load_split(real_data, "test", torch.device("cpu"))
+    assert test_set.images.shape == (10000, 1, 28, 28) and test_set.labels.shape == (10000,)
+    assert torch.bincount(test_set.labels).tolist() == [1000] * 10  # FashionMNIST's test set is balanced
+
+
+def test_no_data_anywhere_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "SYSTEM_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("FASHION_MNIST_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FatalError, match="apt-get install dataset-fashion-mnist"):
+        data.locate_fashion_mnist(None)
+
+
+def test_truncated_idx_is_refused(tmp_path):
+    path = write_idx(tmp_path / "t-idx3-ubyte", torch.zeros(4, 28, 28, dtype=torch.uint8))
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(FatalError, match="truncated"):
+        data.read_idx(path)
+
+
+def test_truncated_gzip_is_refused(tmp_path):
+    path = write_idx(tmp_path / "t-idx3-ubyte.gz", torch.zeros(4, 28, 28, dtype=torch.uint8))
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(FatalError, match="cannot read"):
+        data.read_idx(path)
+
+
+def test_foreign_file_is_refused(tmp_path):
+    path = tmp_path / "t-idx3-ubyte.gz"
+    path.write_bytes(gzip.compress(b"<html>not found</html>"))
+    with pytest.raises(FatalError, match="not a uint8 IDX file"):
+        data.read_idx(path)
+
+
+def test_batches_match_torchvision_totensor(fake_data):
+    from torchvision.transforms.functional import to_tensor
+    from PIL import Image
+
+    train = data.load_split(fake_data, "train", torch.device("cpu"))
+    loader = data.make_loader(train, 100, data.SeededSampler(train, seed=1))
+    batches = list(loader)
+    assert [len(y) for _, y in batches] == [100, 100, 56]  # the last partial batch is kept
+    x, y = batches[0]
+    first = next(iter(data.SeededSampler(train, seed=1)))
+    reference = to_tensor(Image.fromarray(train.images[first, 0].numpy()))
+    assert x.dtype == torch.float32 and x.shape == (100, 1, 28, 28)
+    assert torch.equal(x[0], reference) and y[0] == train.labels[first]
+
+
+@pytest.mark.parametrize("epoch", [0, 3])
+def test_seeded_sampler_is_distributed_samplers_permutation(epoch):
+    items = list(range(1000))
+    ours, theirs = data.SeededSampler(items, seed=7), DistributedSampler(items, num_replicas=1, rank=0, seed=7)
+    ours.set_epoch(epoch)
+    theirs.set_epoch(epoch)
+    assert list(ours) == list(theirs)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_union_of_rank_batches_is_the_single_process_batch(world):
+    items, global_batch = list(range(960)), 48
+    single = torch.utils.data.BatchSampler(data.SeededSampler(items, seed=3), global_batch, drop_last=False)
+    per_rank = [
+        torch.utils.data.BatchSampler(DistributedSampler(items, num_replicas=world, rank=r, seed=3),
+                                      global_batch // world, drop_last=False)
+        for r in range(world)
+    ]
+    for k, (whole, *parts) in enumerate(zip(single, *per_rank)):
+        assert sorted(whole) == sorted(i for part in parts for i in part), f"batch {k}"
+
+
+@pytest.mark.parametrize("n,world", [(10, 3), (10000, 3), (7, 8), (12, 4)])
+def test_shard_sampler_covers_each_item_once(n, world):
+    shards = [list(data.ShardSampler(range(n), r, world)) for r in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(n))
