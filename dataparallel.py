@@ -19,9 +19,7 @@ from common.errors import run_main
 from common.model import NeuralNetwork
 
 
-def main():
-    cfg = parse_config(description=__doc__)
-    ctx = single_process(cfg)
+def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device")
     output = prepare_output(cfg.output)
@@ -49,6 +47,12 @@ def main():
 
     save_weights(model, output / "model.pth", ctx)  # saves model.module: no `module.` prefix
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+def main():
+    cfg = parse_config(description=__doc__)
+    ctx = single_process(cfg)
+    train(cfg, ctx)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlparse
 
 import torch
 
@@ -22,10 +23,18 @@ class Config:
     train_samples: Optional[int] = None  # train on the first N images only (quick runs, tests)
     test_samples: Optional[int] = None  # evaluate on the first N test images only
     log_every: int = 100  # batches between "loss:" lines, as in the quickstart
+    timeout: float = 120.0  # seconds a rendezvous or collective may wait: a missing peer fails, never hangs
+    # Chapter flags: only the chapters that need them accept them (see CHAPTER_FLAGS).
+    nprocs: Optional[int] = None  # ddp_mp.py: processes to spawn on this machine
+    init_method: Optional[str] = None  # ddp_tcp_manual.py: tcp://HOST:PORT or file:///path
+    rank: Optional[int] = None  # ddp_tcp_manual.py: this process's global rank
+    world_size: Optional[int] = None  # ddp_tcp_manual.py: total number of processes
+    local_rank: Optional[int] = None  # ddp_tcp_manual.py: this process's index on its machine (picks the GPU)
 
     def describe(self):
-        """One line with every setting, for the top of the log."""
-        return "Config: " + " ".join(f"{k}={v}" for k, v in asdict(self).items())
+        """One line with every setting the chapter uses, for the top of the log."""
+        items = asdict(self).items()
+        return "Config: " + " ".join(f"{k}={v}" for k, v in items if k not in CHAPTER_FLAGS or v is not None)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,8 +64,27 @@ def _positive_float(text):
     return value
 
 
-def build_parser(description=None):
-    """An argparse parser for the Config fields, with checks that reject bad values as usage errors."""
+def _non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+CHAPTER_FLAGS = {
+    "nprocs": dict(type=_positive_int, help="processes to start (default: one per visible GPU, or 2 on a CPU)"),
+    "init_method": dict(help="rendezvous: tcp://HOST:PORT (HOST = rank 0's address) or file:///shared/path"),
+    "rank": dict(type=_non_negative_int, help="this process's global rank, 0 .. world size - 1"),
+    "world_size": dict(type=_positive_int, help="total number of processes over all machines"),
+    "local_rank": dict(type=_non_negative_int, help="this process's index on its machine; picks cuda:N (default 0)"),
+}
+
+
+def build_parser(description=None, chapter_flags=()):
+    """An argparse parser for the shared flags plus the named chapter flags; bad values are usage errors."""
     d = Config()
     p = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=_positive_int, default=d.epochs, help="passes over the training set (default %(default)s)")
@@ -69,6 +97,9 @@ def build_parser(description=None):
     p.add_argument("--train-samples", type=_positive_int, default=d.train_samples, help="use only the first N training images")
     p.add_argument("--test-samples", type=_positive_int, default=d.test_samples, help="use only the first N test images")
     p.add_argument("--log-every", type=_positive_int, default=d.log_every, help="batches between loss lines (default %(default)s)")
+    p.add_argument("--timeout", type=_positive_float, default=d.timeout, help="seconds to wait for peers at a rendezvous or collective (default %(default)s)")
+    for name in chapter_flags:
+        p.add_argument("--" + name.replace("_", "-"), required=name in ("init_method", "rank", "world_size"), **CHAPTER_FLAGS[name])
     return p
 
 
@@ -89,11 +120,26 @@ def check_device(parser, device):
         parser.error(f"--device {device}: this tutorial runs on cpu or cuda")
 
 
-def parse_config(argv=None, description=None):
+def _valid_init_method(url):
+    """tcp://HOST:PORT with a port in 1..65535, or file:// with an absolute path."""
+    parts = urlparse(url)
+    if parts.scheme == "file":
+        return parts.path.startswith("/") and not parts.netloc
+    try:
+        return parts.scheme == "tcp" and bool(parts.hostname) and parts.port is not None and 0 < parts.port < 65536
+    except ValueError:  # a port that is not a number
+        return False
+
+
+def parse_config(argv=None, description=None, chapter_flags=()):
     """Parse the command line (sys.argv by default) into a Config."""
-    parser = build_parser(description)
+    parser = build_parser(description, chapter_flags)
     cfg = Config(**vars(parser.parse_args(argv)))
     check_device(parser, cfg.device)
+    if cfg.rank is not None and cfg.world_size is not None and cfg.rank >= cfg.world_size:
+        parser.error(f"--rank {cfg.rank} must be below --world-size {cfg.world_size} (ranks count from 0)")
+    if cfg.init_method is not None and not _valid_init_method(cfg.init_method):
+        parser.error(f"--init-method {cfg.init_method!r}: use tcp://HOST:PORT (rank 0's address) or file:///shared/path")
     if cfg.output is None:
         cfg.output = str(Path("runs") / Path(sys.argv[0]).stem)
     return cfg

@@ -1,8 +1,16 @@
 """Who am I and where do I run: device and backend choice, DistContext, rank-0 printing, reductions."""
+import os
+import socket
+import sys
+import time
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from common.errors import FatalError, UsageError
 
 
 @dataclass(frozen=True)
@@ -14,6 +22,7 @@ class DistContext:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     backend: str = "none"  # "nccl" or "gloo" once a process group is up
+    init_method: str = ""  # how the ranks met: env://, tcp://HOST:PORT or file:///path
 
     @property
     def is_main(self):
@@ -33,6 +42,29 @@ def choose_device(requested=None, local_rank=0):
 def backend_for(device):
     """NCCL for GPUs, gloo for the CPU: nothing else hard-codes a backend."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def default_nprocs(requested_device=None):
+    """One process per visible GPU; 2 on a CPU-only machine, so the DDP chapters still show two ranks."""
+    if choose_device(requested_device).type == "cuda":
+        return torch.cuda.device_count()
+    return 2
+
+
+def free_port(host="127.0.0.1"):
+    """A port the OS says is free right now (instead of a hard-coded 12355 that a second job would collide on)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_global_batch(batch_size, world_size):
+    """--batch-size is the global batch, so it must split evenly over the ranks."""
+    if world_size < 1:
+        raise UsageError(f"world size must be at least 1, got {world_size}")
+    if batch_size % world_size:
+        raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over "
+                         f"{world_size} ranks; use a multiple of {world_size}, e.g. {batch_size // world_size * world_size or world_size}")
 
 
 def single_process(cfg):
@@ -57,3 +89,91 @@ def all_reduce_sum(values, ctx):
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def torchrun_env():
+    """(rank, local_rank, world_size) from the variables torchrun sets; a clear error when started without it."""
+    try:
+        return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    except KeyError:
+        raise UsageError("RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
+                         "`torchrun --standalone --nproc-per-node 2 ddp_launch.py`") from None
+
+
+def claim_rendezvous_file(init_method, timeout):
+    """For file://, refuse a file left by a crashed run: its stale keys would mix two jobs' rendezvous.
+
+    A file touched within the last `timeout` seconds is a peer of this job waiting for us; an older one
+    is a leftover (after a clean run torch's FileStore deletes the file itself).
+    """
+    if not init_method.startswith("file://"):
+        return
+    path = Path(init_method.removeprefix("file://"))
+    if not path.parent.is_dir():
+        raise FatalError(f"rendezvous folder {path.parent} does not exist; create it on a filesystem every machine shares")
+    try:
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > timeout:
+        raise FatalError(f"rendezvous file {path} is left over from an earlier run ({age:.0f}s old); "
+                         f"delete it or pass a new file:// name")
+
+
+def _where(init_method):
+    """host:port (or the file) that a rendezvous uses, for error messages."""
+    if init_method.startswith("env://"):
+        return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return init_method.removeprefix("tcp://")
+
+
+def explain_rendezvous_error(error, init_method, rank, timeout):
+    """Turn init_process_group's exception into one line that names the cause and the fixes."""
+    text = str(error)
+    where = _where(init_method)
+    if "EADDRINUSE" in text or "ddress already in use" in text:
+        return (f"port {where.rsplit(':', 1)[-1]} is busy (another job or a leftover process holds it); "
+                f"pick a free port (MASTER_PORT or --init-method tcp://HOST:OTHER_PORT) or stop the old job")
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (f"[rank {rank}] no rendezvous at {where} within {timeout:g}s: rank 0 is not running there, "
+                f"a firewall blocks the port, the address is wrong, or fewer processes than the world size "
+                f"were started. Check the address and port, open the port, set GLOO_SOCKET_IFNAME / "
+                f"NCCL_SOCKET_IFNAME to the interface that reaches the other machines, and start every rank")
+    return f"[rank {rank}] rendezvous at {where} failed: {text.strip().splitlines()[0] if text.strip() else type(error).__name__}"
+
+
+def init_distributed(cfg, rank, local_rank, world_size, init_method="env://"):
+    """Join the process group (NCCL on GPUs, gloo on CPUs) with cfg.timeout; returns this process's DistContext."""
+    check_global_batch(cfg.batch_size, world_size)
+    device = choose_device(cfg.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init: NCCL binds this process to its own GPU, not all to GPU 0
+    backend = backend_for(device)
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=cfg.timeout))
+    except Exception as e:  # DistNetworkError, DistStoreError, RuntimeError, ValueError: one line, not a traceback
+        raise FatalError(explain_rendezvous_error(e, init_method, rank, cfg.timeout)) from None
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
+                      init_method=init_method)
+    print(f"[rank {rank}] host={socket.gethostname()} local_rank={local_rank} device={device} "
+          f"backend={backend} world_size={world_size}", flush=True)
+    return ctx
+
+
+def cleanup(ctx):
+    """Leave the process group: the other half of init_distributed, called from a `finally`.
+
+    Order matters with gloo. On success, a barrier first lets every rank finish its last collective,
+    then destroy_process_group() joins gloo's worker threads while Python is still fully alive; a
+    process group left to the interpreter's exit can abort ("terminate called without an active
+    exception"). On an error we skip the barrier (the peers may be inside another collective) and
+    tear down at once, so the peers' next collective fails fast instead of waiting for the timeout.
+    A file:// rendezvous file is removed by every rank after it leaves, so the last one out deletes it.
+    """
+    if dist.is_initialized():
+        if sys.exc_info()[0] is None:  # not unwinding an exception
+            dist.barrier()
+        dist.destroy_process_group()
+    if ctx.init_method.startswith("file://"):
+        Path(ctx.init_method.removeprefix("file://")).unlink(missing_ok=True)

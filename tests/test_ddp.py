@@ -1,0 +1,204 @@
+"""The DDP chapters through their real launchers: same model as chapter 1 at world sizes 1-3, exact eval, errors."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.distributed import free_port
+from conftest import REPO, load_state, max_abs_diff, run_script
+
+# 960 = 20 global batches of 48, and 48 splits over 1, 2 and 3 ranks; 500 test images make uneven shards.
+SLICE = ["--train-samples", "960", "--test-samples", "500", "--batch-size", "48", "--epochs", "2", "--log-every", "7"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+class Procs:
+    """Processes started in their own sessions, so a test can kill every one of them and their children."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, cmd, **kw):
+        p = subprocess.Popen(cmd, cwd=REPO, env=kw.pop("env", BASE_ENV), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def wait(self, p, timeout=300):
+        """(returncode, stdout, stderr) of p, killing it if it overruns."""
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(p)
+            out, err = p.communicate()
+            pytest.fail(f"{p.args} still running after {timeout}s:\n{out}\n{err}")
+        return p.returncode, out, err
+
+    def kill(self, p):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                self.kill(p)
+            p.communicate()
+
+
+@pytest.fixture
+def procs():
+    ps = Procs()
+    yield ps
+    ps.close()
+
+
+def _args(real_data, out):
+    return [*SLICE, "--data-dir", str(real_data), "--output", str(out)]
+
+
+def launch(kind, world, real_data, out, procs, timeout=60):
+    """Train with chapter `kind` on `world` ranks; returns (returncodes, stdout of all, stderr of all)."""
+    args = [*_args(real_data, out), "--timeout", str(timeout)]
+    port = free_port()
+    if kind == "mp":
+        ps = [procs.start([sys.executable, "ddp_mp.py", "--nprocs", str(world), *args])]
+    elif kind == "torchrun":
+        ps = [procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "ddp_launch.py", *args])]
+    else:
+        init = f"tcp://127.0.0.1:{port}" if kind == "tcp" else f"file://{out}.rdzv"
+        ps = [procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", init, "--rank", str(r),
+                           "--world-size", str(world), *args]) for r in range(world)]
+    results = [procs.wait(p) for p in ps]
+    return [r[0] for r in results], "".join(r[1] for r in results), "".join(r[2] for r in results)
+
+
+@pytest.fixture(scope="module")
+def reference(real_data, tmp_path_factory):
+    """single_gpu.py on the same slice: the model every DDP run must reproduce."""
+    out = tmp_path_factory.mktemp("single")
+    proc = run_script("single_gpu.py", *_args(real_data, out))
+    assert proc.returncode == 0, proc.stderr
+    return load_state(out / "model.pth"), proc.stdout
+
+
+def _accuracy_lines(log):
+    return re.findall(r"Accuracy: [\d.]+%", log)
+
+
+def _test_losses(log):
+    return [float(x) for x in re.findall(r"Avg loss: ([\d.]+)", log)]
+
+
+CASES = [("mp", 1), ("mp", 2), ("mp", 3), ("torchrun", 1), ("torchrun", 2), ("torchrun", 3),
+         ("tcp", 2), ("tcp", 3), ("file", 2), ("file", 3)]
+
+
+@pytest.mark.parametrize("kind,world", CASES, ids=[f"{k}-{w}" for k, w in CASES])
+def test_ddp_trains_the_same_model(kind, world, real_data, reference, tmp_path, procs):
+    codes, out, err = launch(kind, world, real_data, tmp_path / "run", procs)
+    assert codes == [0] * len(codes), err
+    ref_state, ref_log = reference
+    assert max_abs_diff(ref_state, load_state(tmp_path / "run" / "model.pth")) <= 1e-5
+    # Exact evaluation: the same accuracy over all 500 test images, whatever the world size.
+    assert _accuracy_lines(out) == _accuracy_lines(ref_log)
+    assert _test_losses(out) == pytest.approx(_test_losses(ref_log), abs=2e-6)
+    assert "[  336/  960]" in out  # loss lines count global samples: batch 7 * global batch 48
+    # Rank 0 alone prints the tutorial lines; each rank prints one setup line.
+    assert out.count("Epoch 1\n") == 1 and out.count("Done!") == 1
+    assert sorted(re.findall(r"\[rank (\d+)\] host=", out)) == [str(r) for r in range(world)]
+    assert "Traceback" not in err and "terminate called" not in err
+    if kind == "file":
+        assert not (tmp_path / "run.rdzv").exists(), "the rendezvous file is removed at the end"
+
+
+def test_two_torchrun_nodes_on_one_machine(real_data, reference, tmp_path, procs):
+    """Two launchers as two nodes (node ranks 0 and 1) on 127.0.0.1 train together."""
+    port = free_port()
+    nodes = [procs.start([*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), "ddp_launch.py",
+                          *_args(real_data, tmp_path / "run"), "--timeout", "60"]) for n in range(2)]
+    results = [procs.wait(p) for p in nodes]
+    assert [r[0] for r in results] == [0, 0], results[0][2] + results[1][2]
+    assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= 1e-5
+    assert _accuracy_lines(results[0][1]) == _accuracy_lines(reference[1])
+
+
+def _one_error_line(err, *needles):
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_unreachable_master_fails_within_the_timeout(procs):
+    port = free_port()
+    start = time.monotonic()
+    p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{port}",
+                     "--rank", "1", "--world-size", "2", "--timeout", "5"])
+    code, _, err = procs.wait(p, timeout=60)
+    assert code == 1 and time.monotonic() - start < 5 + 20
+    _one_error_line(err, f"127.0.0.1:{port}", "GLOO_SOCKET_IFNAME", "firewall")
+
+
+def test_missing_peer_fails_within_the_timeout(procs):
+    port = free_port()
+    start = time.monotonic()
+    p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{port}",
+                     "--rank", "0", "--world-size", "2", "--timeout", "5"])
+    code, _, err = procs.wait(p, timeout=60)
+    assert code == 1 and time.monotonic() - start < 5 + 20
+    _one_error_line(err, f"127.0.0.1:{port}", "start every rank")
+
+
+def test_busy_port_is_named(procs):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{port}",
+                         "--rank", "0", "--world-size", "2", "--timeout", "5"])
+        code, _, err = procs.wait(p, timeout=60)
+    assert code == 1
+    _one_error_line(err, f"port {port} is busy")
+
+
+def test_leftover_rendezvous_file_is_refused(tmp_path, procs):
+    stale = tmp_path / "rdzv"
+    stale.write_text("old")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"file://{stale}",
+                     "--rank", "0", "--world-size", "2", "--timeout", "5"])
+    code, _, err = procs.wait(p, timeout=60)
+    assert code == 1
+    _one_error_line(err, "left over", str(stale))
+
+
+@pytest.mark.parametrize("script,args,needle", [
+    ("ddp_tcp_manual.py", ["--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"], "--rank 2 must be below"),
+    ("ddp_tcp_manual.py", ["--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "0"], "--world-size"),
+    ("ddp_tcp_manual.py", ["--init-method", "udp://x", "--rank", "0", "--world-size", "2"], "--init-method"),
+    ("ddp_tcp_manual.py", ["--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "5"], "split evenly over 5"),
+    ("ddp_mp.py", ["--nprocs", "5"], "split evenly over 5"),
+    ("ddp_launch.py", [], "start this script with torchrun"),
+])
+def test_bad_distributed_setup_exits_2(script, args, needle):
+    proc = run_script(script, *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    _one_error_line(proc.stderr.replace(f"{script}: error:", "error:"), needle)
+
+
+@pytest.mark.parametrize("script", ["ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py"])
+def test_chapter_diff_stays_small(script):
+    """`diff single_gpu.py ddp_X.py` is the lesson: only the strategy's lines may differ."""
+    diff = subprocess.run(["diff", "single_gpu.py", script], cwd=REPO, capture_output=True, text=True).stdout
+    changed = [line for line in diff.splitlines() if line[:2] in ("< ", "> ")]
+    assert len(changed) <= 60, diff
