@@ -149,6 +149,9 @@ def init_distributed(cfg, rank, local_rank, world_size, init_method="env://"):
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init: NCCL binds this process to its own GPU, not all to GPU 0
     backend = backend_for(device)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks sharing a machine share its cores; more threads than cores makes every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg.timeout))
@@ -157,7 +160,7 @@ def init_distributed(cfg, rank, local_rank, world_size, init_method="env://"):
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
                       init_method=init_method)
     print(f"[rank {rank}] host={socket.gethostname()} local_rank={local_rank} device={device} "
-          f"backend={backend} world_size={world_size}", flush=True)
+          f"backend={backend} world_size={world_size} threads={torch.get_num_threads()}", flush=True)
     return ctx
 
 
