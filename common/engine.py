@@ -27,7 +27,7 @@ def train_one_epoch(model, loader, optimizer, cfg, ctx):
         loss.backward()  # under DDP this also averages the gradients over all ranks
         optimizer.step()
         optimizer.zero_grad()
-        loss_sum += loss.detach() * len(y)
+        loss_sum.add_(loss.detach(), alpha=len(y))  # one fused op, no temporary
         seen += len(y)
         if batch % cfg.log_every == 0:
             # Every rank joins the reduction; rank 0 prints the loss of the whole global batch.
