@@ -60,8 +60,6 @@ def free_port(host="127.0.0.1"):
 
 def check_global_batch(batch_size, world_size):
     """--batch-size is the global batch, so it must split evenly over the ranks."""
-    if world_size < 1:
-        raise UsageError(f"world size must be at least 1, got {world_size}")
     if batch_size % world_size:
         raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over "
                          f"{world_size} ranks; use a multiple of {world_size}, e.g. {batch_size // world_size * world_size or world_size}")
@@ -100,15 +98,20 @@ def torchrun_env():
                          "`torchrun --standalone --nproc-per-node 2 ddp_launch.py`") from None
 
 
+def _rendezvous_file(init_method):
+    """The file of a file:// rendezvous, else None."""
+    return Path(init_method.removeprefix("file://")) if init_method.startswith("file://") else None
+
+
 def claim_rendezvous_file(init_method, timeout):
     """For file://, refuse a file left by a crashed run: its stale keys would mix two jobs' rendezvous.
 
     A file touched within the last `timeout` seconds is a peer of this job waiting for us; an older one
-    is a leftover (after a clean run torch's FileStore deletes the file itself).
+    is a leftover (torch does not delete the file; cleanup() does, after a clean run).
     """
-    if not init_method.startswith("file://"):
+    path = _rendezvous_file(init_method)
+    if path is None:
         return
-    path = Path(init_method.removeprefix("file://"))
     if not path.parent.is_dir():
         raise FatalError(f"rendezvous folder {path.parent} does not exist; create it on a filesystem every machine shares")
     try:
@@ -178,5 +181,6 @@ def cleanup(ctx):
         if sys.exc_info()[0] is None:  # not unwinding an exception
             dist.barrier()
         dist.destroy_process_group()
-    if ctx.init_method.startswith("file://"):
-        Path(ctx.init_method.removeprefix("file://")).unlink(missing_ok=True)
+    path = _rendezvous_file(ctx.init_method)
+    if path is not None:
+        path.unlink(missing_ok=True)
