@@ -38,7 +38,8 @@ def train(cfg, ctx):
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
-    model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    # One bucket for the whole 2.7 MB gradient: one all-reduce per step (measured faster than DDP's default two).
+    model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=4)
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
 

@@ -31,10 +31,12 @@ class DistContext:
 
 
 def choose_device(requested=None, local_rank=0):
-    """--device if given, else the GPU for this local rank if CUDA is visible, else the CPU."""
+    """--device cpu or cuda:N as given; with no --device or a bare `cuda`, this local rank's GPU if any, else the CPU."""
     if requested is not None:
-        return torch.device(requested)
-    if torch.cuda.is_available():
+        device = torch.device(requested)
+        if device.type != "cuda" or device.index is not None:
+            return device  # an explicit cuda:N: the user placed this process
+    if torch.cuda.is_available():  # no --device, or a bare --device cuda: one GPU per local rank
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
@@ -98,6 +100,71 @@ def torchrun_env():
                          "`torchrun --standalone --nproc-per-node 2 ddp_launch.py`") from None
 
 
+def expand_hostlist(hostlist):
+    """SLURM's compressed host list as names: "gpu[01-03,07],cpu5" -> gpu01, gpu02, gpu03, gpu07, cpu5."""
+    hosts, item, depth = [], "", 0
+    for char in hostlist + ",":  # split on the commas that are outside brackets
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            raise ValueError(f"unbalanced brackets in {hostlist!r}")
+        if char == "," and depth == 0:
+            if item:
+                hosts.extend(_expand_host(item))
+            item = ""
+        else:
+            item += char
+    if depth:
+        raise ValueError(f"unbalanced brackets in {hostlist!r}")
+    return hosts
+
+
+def _expand_host(pattern):
+    """One host pattern with any number of [ranges] groups, e.g. rack[1-2]-n[01,03] (zero padding kept)."""
+    if "[" not in pattern:
+        return [pattern]
+    head, rest = pattern.split("[", 1)
+    ranges, tail = rest.split("]", 1)
+    names = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
+            raise ValueError(f"bad range {part!r} in {pattern!r}")
+        names += [f"{head}{n:0{len(low)}d}" for n in range(int(low), int(high or low) + 1)]
+    return [name + suffix for name in names for suffix in _expand_host(tail)]
+
+
+def slurm_env():
+    """(rank, local_rank, world_size, init_method) for a task started by srun; one clear line when it cannot be.
+
+    Rank is SLURM_PROCID, the world is SLURM_NTASKS, the local rank SLURM_LOCALID picks the GPU. Every task
+    computes the same master: the first host of SLURM_JOB_NODELIST, on a port derived from SLURM_JOB_ID (so two
+    jobs sharing a node do not collide); MASTER_ADDR / MASTER_PORT override them.
+    """
+    env = os.environ
+    if not env.get("SLURM_JOB_ID"):
+        raise UsageError("this is not a SLURM job (SLURM_JOB_ID is not set): submit it with `sbatch scripts/job.sh`, "
+                         "or run `srun python ddp_slurm.py` inside an allocation")
+    missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST")
+               if not env.get(name)]
+    if missing or "SLURM_STEP_ID" not in env:
+        raise UsageError(f"{'/'.join(missing) or 'SLURM_STEP_ID'} not set: start one task per GPU with "
+                         f"`srun python ddp_slurm.py` (as scripts/job.sh does), not plain python inside the job")
+    try:
+        rank, world_size, local_rank = (int(env[name]) for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+        head = env.get("MASTER_ADDR") or expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
+        port = int(env.get("MASTER_PORT") or 20000 + int(env["SLURM_JOB_ID"]) % 10000)
+    except (ValueError, IndexError) as e:
+        raise UsageError(f"cannot read the SLURM environment ({e}); is this an srun task of a SLURM job?") from None
+    if not 0 <= rank < world_size:
+        raise UsageError(f"SLURM_PROCID={rank} is not below SLURM_NTASKS={world_size}; start the tasks with srun")
+    try:
+        socket.getaddrinfo(head, port)
+    except OSError:
+        raise FatalError(f"head node {head!r} (the first host of SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']}) does "
+                         f"not resolve here; set MASTER_ADDR to its address") from None
+    return rank, local_rank, world_size, f"tcp://{head}:{port}"
+
+
 def _rendezvous_file(init_method):
     """The file of a file:// rendezvous, else None."""
     return Path(init_method.removeprefix("file://")) if init_method.startswith("file://") else None
@@ -145,6 +212,17 @@ def explain_rendezvous_error(error, init_method, rank, timeout):
     return f"[rank {rank}] rendezvous at {where} failed: {text.strip().splitlines()[0] if text.strip() else type(error).__name__}"
 
 
+def cpu_threads(world_size):
+    """Threads for one CPU rank: the cores SLURM gave this task, or this machine's, split over the ranks sharing them.
+
+    More threads than cores makes every rank slower. Under srun each task has SLURM_CPUS_PER_TASK cores of its own;
+    torchrun's workers (LOCAL_WORLD_SIZE of them) share what their launcher got; other ranks share the machine.
+    """
+    per_task = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE") or (1 if per_task else world_size))
+    return max(1, (per_task or os.cpu_count() or 1) // sharing)
+
+
 def init_distributed(cfg, rank, local_rank, world_size, init_method="env://"):
     """Join the process group (NCCL on GPUs, gloo on CPUs) with cfg.timeout; returns this process's DistContext."""
     check_global_batch(cfg.batch_size, world_size)
@@ -153,8 +231,7 @@ def init_distributed(cfg, rank, local_rank, world_size, init_method="env://"):
         torch.cuda.set_device(device)  # before init: NCCL binds this process to its own GPU, not all to GPU 0
     backend = backend_for(device)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # Ranks sharing a machine share its cores; more threads than cores makes every rank slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        torch.set_num_threads(cpu_threads(world_size))
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg.timeout))

@@ -1,24 +1,33 @@
-"""Time one training epoch of the project's pipeline, the PyTorch quickstart and a compute floor, side by side.
+"""Time one training epoch of every way to train the model that runs here, the quickstart and compute floors.
 
     python scripts/benchmark.py                                        # 2 epochs of each case on the CPU
     python scripts/benchmark.py --epochs 3 --json runs/benchmark.json  # also write every measurement as JSON
-    python scripts/benchmark.py --device cuda --cases single_gpu,floor # a subset, on the GPU
+    python scripts/benchmark.py --device cuda --cases single_gpu,floor,ddp_mp_1   # a subset, on the GPU
     python scripts/benchmark.py --rounds 3                             # a b c a b c a b c: steadier on a busy machine
 
 Cases (each in its own subprocess, so each has a fresh interpreter and its own peak RSS):
   (a) single_gpu   the real `single_gpu.py`, timed by the "Train time:" lines it prints
   (b) quickstart   the PyTorch quickstart: torchvision FashionMNIST + ToTensor, DataLoader(batch_size=64)
   (c) floor        the same model stepping over pre-made float32 slices: no DataLoader, no per-step sync
+  (d) ddp_mp_1     the real `ddp_mp.py --nprocs 1`: DDP's cost with nobody to talk to
+  (e) ddp_mp_2     the real `ddp_mp.py --nprocs 2`
+  (f) torchrun_2   the real `ddp_launch.py` under `torchrun --standalone --nproc-per-node 2`
+  (g) ddp_compute  2 ranks, each stepping over its shard's pre-made slices (batch 64/2), no communication
+  (h) allreduce    2 ranks, nothing but one all_reduce of the gradient's size (2.7 MB) per step
+  (i) ddp_manual   2 ranks, a step written by hand: backward, then one all_reduce of all gradients
+The DDP floor is (g) + (h): what a 2-rank step costs if DDP added nothing to compute and communication.
+On a GPU the 2-rank rows need 2 GPUs and are skipped with a line otherwise.
 
 The best (shortest) epoch of --epochs (times --rounds) counts. Peak RSS is the subprocess's ru_maxrss from
-os.wait4: it includes the ~0.5 GiB of torch's own libraries and whatever the interpreter's exit touches,
-so only differences well above ~10 MiB between rows mean something. The target checks are a report: the exit code is 0 even when
-one fails, and 1 only when a case could not run. To add a row (e.g. DDP under torchrun), append one Case
-to CASES: a name, a command builder and an output parser.
+os.wait4 (for launchers: the largest single process of the tree): it includes the ~0.5 GiB of torch's own
+libraries and whatever the interpreter's exit touches, so only differences well above ~10 MiB between rows
+mean something. The target checks are a report: the exit code is 0 even when one fails, and 1 only when a
+case could not run. To add a row, append one Case to CASES: a name, label, ranks, command builder, parser.
 """
 import argparse
 import gzip
 import json
+import math
 import os
 import platform
 import re
@@ -36,7 +45,8 @@ sys.path.insert(0, str(REPO))  # `python scripts/benchmark.py` puts scripts/, no
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from common import data  # noqa: E402
 from common.config import check_device  # noqa: E402
@@ -121,7 +131,72 @@ def case_floor(args):
         report_epoch(epoch, time.perf_counter() - start, n)
 
 
-INNER_CASES = {"quickstart": case_quickstart, "floor": case_floor}
+def _floor_worker(rank, args, port):
+    """One rank of the DDP floor: this rank's shard as pre-made slices, timed between barriers on every rank."""
+    from common.config import Config
+    from common.distributed import cleanup, init_distributed
+
+    world = args.nprocs
+    # The chapters' own setup: same backend, device and CPU threads per rank as ddp_mp.py gets.
+    cfg = Config(batch_size=BATCH_SIZE, device=args.device)
+    ctx = init_distributed(cfg, rank=rank, local_rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        train_set = data.load_split(data.locate_fashion_mnist(args.data_dir), "train", ctx.device)
+        # Rank r's share of the first epoch, in DistributedSampler's order, converted before any clock starts.
+        shard = torch.tensor(list(DistributedSampler(train_set, num_replicas=world, rank=rank, seed=SEED)),
+                             device=ctx.device)
+        X, y = train_set.images[shard].float() / 255, train_set.labels[shard]
+        per_rank = BATCH_SIZE // world
+        torch.manual_seed(SEED)
+        model = NeuralNetwork().to(ctx.device)
+        loss_fn = nn.CrossEntropyLoss()
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=ctx.device)  # the gradient's size
+        steps = range(0, len(y), per_rank)
+
+        def compute():  # what each rank computes, with no communication at all
+            for i in steps:
+                loss_fn(model(X[i:i + per_rank]), y[i:i + per_rank]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+        def allreduce():  # nothing but the gradient-sized all-reduce, once per step
+            for _ in steps:
+                dist.all_reduce(grads)
+
+        def manual():  # a synchronous step written by hand: backward, then one all-reduce of all gradients
+            for i in steps:
+                loss_fn(model(X[i:i + per_rank]), y[i:i + per_rank]).backward()
+                flat = torch.cat([p.grad.view(-1) for p in model.parameters()])
+                dist.all_reduce(flat)
+                optimizer.step()
+                optimizer.zero_grad()
+
+        part = dict(ddp_compute=compute, allreduce=allreduce, ddp_manual=manual)[args.case]
+        for epoch in range(1, args.epochs + 1):
+            dist.barrier()
+            _sync(ctx.device)
+            start = time.perf_counter()
+            part()
+            _sync(ctx.device)
+            dist.barrier()  # the epoch ends when the slowest rank is done
+            if ctx.is_main:
+                report_epoch(epoch, time.perf_counter() - start, len(train_set))
+    finally:
+        cleanup(ctx)
+
+
+def case_ddp_floor(args):
+    """(f)-(h) The parts of a DDP step on --nprocs ranks, each timed alone: compute, all-reduce, both by hand."""
+    import torch.multiprocessing as mp
+
+    from common.distributed import free_port
+
+    mp.spawn(_floor_worker, args=(args, free_port()), nprocs=args.nprocs)
+
+
+INNER_CASES = {"quickstart": case_quickstart, "floor": case_floor, "ddp_compute": case_ddp_floor,
+               "allreduce": case_ddp_floor, "ddp_manual": case_ddp_floor}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,18 +265,28 @@ class Workspace:
 
 @dataclass(frozen=True)
 class Case:
-    """One row of the table: --cases name, label, argv builder (Workspace -> list) and log parser (str -> [Epoch])."""
+    """One row of the table: --cases name, label, processes, argv builder (Workspace -> list), log parser."""
 
     key: str
     label: str
+    ranks: int
     command: Callable[[Workspace], list]
     parse: Callable[[str], list]
 
 
-def single_gpu_command(ws):
-    """(a) The real chapter-1 script, on the same data folder, writing its model.pth to the scratch folder."""
-    return [sys.executable, "single_gpu.py", "--epochs", str(ws.args.epochs), "--device", ws.args.device,
-            "--data-dir", str(ws.data_dir), "--output", str(ws.tmp / "single_gpu")]
+def chapter(launcher, script, *flags):
+    """Command builder for a real chapter script started by launcher, writing its model to the scratch folder."""
+
+    def command(ws):
+        return [*launcher, script, *flags, "--epochs", str(ws.args.epochs), "--device", ws.args.device,
+                "--data-dir", str(ws.data_dir), "--output", str(ws.tmp / "-".join([script, *flags]))]
+
+    return command
+
+
+def inner(case, *extra):
+    """Command builder for one of this file's INNER_CASES."""
+    return lambda ws: ws.inner(case) + list(extra)
 
 
 def quickstart_command(ws):
@@ -209,20 +294,25 @@ def quickstart_command(ws):
     return ws.inner("quickstart") + ["--torchvision-root", str(ws.torchvision_root())]
 
 
-def floor_command(ws):
-    """(c) case_floor in a subprocess."""
-    return ws.inner("floor")
-
-
+PY, TORCHRUN = [sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 CASES = [
-    Case("single_gpu", "(a) single_gpu.py", single_gpu_command, parse_fit_log),
-    Case("quickstart", "(b) quickstart", quickstart_command, parse_bench_lines),
-    Case("floor", "(c) compute floor", floor_command, parse_bench_lines),
+    Case("single_gpu", "(a) single_gpu.py", 1, chapter(PY, "single_gpu.py"), parse_fit_log),
+    Case("quickstart", "(b) quickstart", 1, quickstart_command, parse_bench_lines),
+    Case("floor", "(c) compute floor", 1, inner("floor"), parse_bench_lines),
+    Case("ddp_mp_1", "(d) ddp_mp.py --nprocs 1", 1, chapter(PY, "ddp_mp.py", "--nprocs", "1"), parse_fit_log),
+    Case("ddp_mp_2", "(e) ddp_mp.py --nprocs 2", 2, chapter(PY, "ddp_mp.py", "--nprocs", "2"), parse_fit_log),
+    Case("torchrun_2", "(f) torchrun ddp_launch.py", 2, chapter(TORCHRUN, "ddp_launch.py"), parse_fit_log),
+    Case("ddp_compute", "(g) DDP compute only", 2, inner("ddp_compute", "--nprocs", "2"), parse_bench_lines),
+    Case("allreduce", "(h) all_reduce only", 2, inner("allreduce", "--nprocs", "2"), parse_bench_lines),
+    Case("ddp_manual", "(i) compute + all_reduce by hand", 2, inner("ddp_manual", "--nprocs", "2"), parse_bench_lines),
 ]
 CASES_BY_KEY = {case.key: case for case in CASES}
+# A row that is not run but added up: the 2-rank DDP floor = (g) compute + (h) all-reduce, each measured alone.
+DDP_FLOOR = ("ddp_floor", "(g)+(h) DDP floor", ("ddp_compute", "allreduce"))
 
-# Targets: (numerator, denominator, at most) on best epoch time; peak RSS of a must not exceed that of b.
-TIME_TARGETS = [("single_gpu", "quickstart", 0.35), ("single_gpu", "floor", 1.10)]
+# Targets: (numerator, denominator, at most) on best epoch time; None: the ratio is shown, with no target.
+TIME_TARGETS = [("single_gpu", "quickstart", 0.35), ("single_gpu", "floor", 1.10), ("ddp_mp_2", "ddp_floor", 1.15),
+                ("torchrun_2", "ddp_floor", 1.15), ("ddp_mp_2", "ddp_manual", None)]
 RSS_TARGETS = [("single_gpu", "quickstart")]
 
 
@@ -241,7 +331,7 @@ def fail(case, cmd, output, problem):
 
 
 def run_case(case, ws, progress):
-    """Run one case's subprocess to completion: (command, [Epoch], peak RSS MiB, wall s). FatalError if it fails."""
+    """Run one case's subprocess to completion: (command, [Epoch], peak RSS MiB, wall s, accuracy). FatalError if it fails."""
     cmd = case.command(ws)
     print(f"{progress} {case.label}: running {ws.args.epochs} epoch(s) on {ws.args.device} ...",
           file=sys.stderr, flush=True)
@@ -262,24 +352,39 @@ def run_case(case, ws, progress):
     rss = usage.ru_maxrss / 1024
     print(f"{progress} {case.label}: done in {wall:.1f}s, best epoch {min(e.seconds for e in epochs):.3f}s, "
           f"peak RSS {rss:.0f} MiB", file=sys.stderr, flush=True)
-    return cmd, epochs, rss, wall
+    return cmd, epochs, rss, wall, final_accuracy(output)
+
+
+def final_accuracy(output):
+    """The last `Accuracy: 64.9%` a chapter printed, as a fraction; None for the inner cases, which do not test."""
+    found = re.findall(r"Accuracy: ([\d.]+)%", output)
+    return float(found[-1]) / 100 if found else None
 
 
 def summarize(case, runs, device):
     """One table row from a case's runs (one per round): best epoch over all of them, largest peak RSS."""
-    epochs = [e for _, run_epochs, _, _ in runs for e in run_epochs]
+    epochs = [e for _, run_epochs, _, _, _ in runs for e in run_epochs]
     best = min(epochs, key=lambda e: e.seconds)
-    return dict(key=case.key, label=case.label, tag=case.label.split()[0], device=device, command=runs[0][0],
-                epoch_seconds=[e.seconds for e in epochs], best_seconds=best.seconds, samples=best.samples,
-                samples_per_second=best.samples / best.seconds, peak_rss_mib=max(run[2] for run in runs),
-                peak_rss_mib_per_round=[run[2] for run in runs], wall_seconds=sum(run[3] for run in runs))
+    return dict(key=case.key, label=case.label, tag=case.label.split()[0], ranks=case.ranks, device=device,
+                command=runs[0][0], epoch_seconds=[e.seconds for e in epochs], best_seconds=best.seconds,
+                samples=best.samples, peak_rss_mib=max(run[2] for run in runs),
+                peak_rss_mib_per_round=[run[2] for run in runs], wall_seconds=sum(run[3] for run in runs),
+                accuracy=runs[-1][4])
 
 
-def add_ratios(results):
-    """Each result's best epoch time relative to the quickstart's and the floor's (None when not run)."""
-    for ref in ("quickstart", "floor"):
-        base = results.get(ref)
-        for r in results.values():
+def add_derived(results):
+    """The DDP floor row (sum of its parts' best epochs), then rates and ratios for every row."""
+    key, label, parts = DDP_FLOOR
+    if all(part in results for part in parts):
+        first = results[parts[0]]
+        results[key] = dict(key=key, label=label, tag=label.split()[0], ranks=first["ranks"], device=first["device"],
+                            command=None, best_seconds=sum(results[part]["best_seconds"] for part in parts),
+                            samples=first["samples"], peak_rss_mib=None, accuracy=None)
+    for r in results.values():
+        r["samples_per_second"] = r["samples"] / r["best_seconds"]
+        r["ms_per_step"] = 1000 * r["best_seconds"] / math.ceil(r["samples"] / BATCH_SIZE)  # global batches
+        for ref in ("single_gpu", "floor"):
+            base = results.get(ref)
             r[f"x_{ref}"] = r["best_seconds"] / base["best_seconds"] if base else None
 
 
@@ -290,10 +395,11 @@ def checks(results):
         if num in results and den in results:
             a, b = results[num], results[den]
             value = a["best_seconds"] / b["best_seconds"]
-            passed = value <= limit
+            passed = None if limit is None else value <= limit
+            verdict = "no target" if limit is None else f"target <= {limit:.2f}): {'PASS' if passed else 'FAIL'}"
             out.append(dict(name=f"{num}/{den} epoch time", value=value, target=limit, passed=passed,
-                            line=f"{a['label']} / {b['label']} = {value:.2f} (target <= {limit:.2f}): "
-                                 f"{'PASS' if passed else 'FAIL'}"))
+                            line=f"{a['label']} / {b['label']} = {value:.2f} ({verdict}"
+                                 f"{')' if limit is None else ''}"))
     for small, big in RSS_TARGETS:
         if small in results and big in results:
             a, b = results[small], results[big]
@@ -305,18 +411,22 @@ def checks(results):
     return out
 
 
-def _ratio(x):
-    """A ratio with 2 decimals, or "-" when its reference case did not run."""
-    return "-" if x is None else f"{x:.2f}"
+def _fmt(x, spec):
+    """x formatted with spec, or "-" when there is nothing to show."""
+    return "-" if x is None else format(x, spec)
 
 
 def table(results, epochs):
-    """The results as a Markdown table, one row per case in CASES order."""
-    rows = [f"| case | device | epoch s (best of {epochs}) | samples/s | × quickstart | × floor | peak RSS MiB |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+    """The results as a Markdown table, one row per case in CASES order (the DDP floor after its parts)."""
+    rows = [f"| case | ranks | epoch s (best of {epochs}) | ms / step | samples/s | speed-up vs (a) | × (c) floor | "
+            f"test accuracy | peak RSS MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results.values():
-        rows.append(f"| {r['label']} | {r['device']} | {r['best_seconds']:.3f} | {r['samples_per_second']:,.0f} | "
-                    f"{_ratio(r['x_quickstart'])} | {_ratio(r['x_floor'])} | {r['peak_rss_mib']:.0f} |")
+        speedup = None if r["x_single_gpu"] is None else 1 / r["x_single_gpu"]
+        accuracy = None if r["accuracy"] is None else 100 * r["accuracy"]
+        rows.append(f"| {r['label']} | {r['ranks']} | {r['best_seconds']:.3f} | {r['ms_per_step']:.2f} | "
+                    f"{r['samples_per_second']:,.0f} | {_fmt(speedup, '.2f')} | {_fmt(r['x_floor'], '.2f')} | "
+                    f"{_fmt(accuracy, '.1f')} | {_fmt(r['peak_rss_mib'], '.0f')} |")
     return "\n".join(rows)
 
 
@@ -350,6 +460,7 @@ def parse_args(argv=None):
                    help=f"comma list of cases to run, from {', '.join(CASES_BY_KEY)} (default: all)")
     p.add_argument("--case", choices=sorted(INNER_CASES), help=argparse.SUPPRESS)  # inside a case's subprocess
     p.add_argument("--torchvision-root", help=argparse.SUPPRESS)
+    p.add_argument("--nprocs", type=_positive_int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.cases = [key.strip() for key in args.cases.split(",") if key.strip()]
     unknown = [key for key in args.cases if key not in CASES_BY_KEY]
@@ -366,6 +477,12 @@ def main():
         return INNER_CASES[args.case](args)
     data_dir = data.locate_fashion_mnist(args.data_dir)  # once, so every case reads the same files
     selected = [case for case in CASES if case.key in args.cases]  # CASES order, whatever order --cases has
+    if args.device.startswith("cuda"):  # one process per GPU: rows with more ranks than GPUs cannot run here
+        gpus = torch.cuda.device_count()
+        for case in selected:
+            if case.ranks > gpus:
+                print(f"skipping {case.label}: it needs {case.ranks} GPUs, {gpus} visible", file=sys.stderr)
+        selected = [case for case in selected if case.ranks <= gpus]
     runs = {case.key: [] for case in selected}
     total = len(selected) * args.rounds
     with tempfile.TemporaryDirectory(prefix="benchmark-") as tmp:
@@ -375,7 +492,7 @@ def main():
             for i, case in enumerate(selected):
                 runs[case.key].append(run_case(case, ws, f"[{round_ * len(selected) + i + 1}/{total}]"))
     results = {case.key: summarize(case, runs[case.key], args.device) for case in selected}
-    add_ratios(results)
+    add_derived(results)
     found = checks(results)
     env = environment()
     print(f"\nOne training epoch, best of {args.epochs} epoch(s) x {args.rounds} round(s) per case; device {args.device}; "
