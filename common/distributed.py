@@ -76,9 +76,10 @@ def single_process(cfg):
 
 
 def print0(ctx, *args, **kwargs):
-    """print() on global rank 0 only, flushed so logs interleave correctly under launchers."""
+    """print() on global rank 0 only, as one flushed write, so other ranks' lines cannot land inside it."""
     if ctx.is_main:
-        print(*args, **kwargs, flush=True)
+        sep, end = kwargs.pop("sep", " "), kwargs.pop("end", "\n")
+        print(sep.join(map(str, args)) + end, end="", flush=True, **kwargs)
 
 
 def all_reduce_sum(values, ctx):
@@ -239,8 +240,9 @@ def init_distributed(cfg, rank, local_rank, world_size, init_method="env://"):
         raise FatalError(explain_rendezvous_error(e, init_method, rank, cfg.timeout)) from None
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
                       init_method=init_method)
-    print(f"[rank {rank}] host={socket.gethostname()} local_rank={local_rank} device={device} "
-          f"backend={backend} world_size={world_size} threads={torch.get_num_threads()}", flush=True)
+    # One write per line (newline included), so the ranks' lines do not interleave in a shared log file.
+    print(f"[rank {rank}] host={socket.gethostname()} local_rank={local_rank} device={device} backend={backend} "
+          f"world_size={world_size} threads={torch.get_num_threads()}\n", end="", flush=True)
     return ctx
 
 

@@ -1,4 +1,5 @@
 """One way to stop: a clear line on stderr and a non-zero exit, never a traceback for a problem the user can fix."""
+import os
 import sys
 
 
@@ -38,6 +39,9 @@ def run_main(main):
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+    except BrokenPipeError:  # `python single_gpu.py | head`: the reader left; stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's final flush cannot fail
+        sys.exit(141)
 
 
 def run_worker(rank, fn, *args):

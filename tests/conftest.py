@@ -99,3 +99,36 @@ def max_abs_diff(a, b):
     """Largest |a - b| over all tensors of two state_dicts with the same keys."""
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# The slice the distributed tests train on: 960 = 20 global batches of 48, and 48 splits over 1, 2 and 3 ranks;
+# 500 test images make uneven eval shards.
+SLICE = ["--train-samples", "960", "--test-samples", "500", "--batch-size", "48", "--epochs", "2", "--log-every", "7"]
+
+
+def slice_args(real_data, out):
+    """SLICE on the real data, saving to out."""
+    return [*SLICE, "--data-dir", str(real_data), "--output", str(out)]
+
+
+@pytest.fixture(scope="session")
+def reference(real_data, tmp_path_factory):
+    """single_gpu.py on SLICE: (state_dict, stdout), the model every distributed run must reproduce."""
+    out = tmp_path_factory.mktemp("single")
+    proc = run_script("single_gpu.py", *slice_args(real_data, out))
+    assert proc.returncode == 0, proc.stderr
+    return load_state(out / "model.pth"), proc.stdout
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A running one-node SLURM cluster. Skips where SLURM cannot be installed, except in CI, which must have it."""
+    from slurm_cluster import LocalSlurm, ensure_slurm_installed
+
+    reason = ensure_slurm_installed()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    with LocalSlurm(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster

@@ -10,10 +10,7 @@ import time
 import pytest
 
 from common.distributed import free_port
-from conftest import REPO, load_state, max_abs_diff, run_script
-
-# 960 = 20 global batches of 48, and 48 splits over 1, 2 and 3 ranks; 500 test images make uneven shards.
-SLICE = ["--train-samples", "960", "--test-samples", "500", "--batch-size", "48", "--epochs", "2", "--log-every", "7"]
+from conftest import REPO, load_state, max_abs_diff, run_script, slice_args
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", OMP_NUM_THREADS="1")
 
@@ -60,13 +57,9 @@ def procs():
     ps.close()
 
 
-def _args(real_data, out):
-    return [*SLICE, "--data-dir", str(real_data), "--output", str(out)]
-
-
 def launch(kind, world, real_data, out, procs, timeout=60):
     """Train with chapter `kind` on `world` ranks; returns (returncodes, stdout of all, stderr of all)."""
-    args = [*_args(real_data, out), "--timeout", str(timeout)]
+    args = [*slice_args(real_data, out), "--timeout", str(timeout)]
     port = free_port()
     if kind == "mp":
         ps = [procs.start([sys.executable, "ddp_mp.py", "--nprocs", str(world), *args])]
@@ -78,15 +71,6 @@ def launch(kind, world, real_data, out, procs, timeout=60):
                            "--world-size", str(world), *args]) for r in range(world)]
     results = [procs.wait(p) for p in ps]
     return [r[0] for r in results], "".join(r[1] for r in results), "".join(r[2] for r in results)
-
-
-@pytest.fixture(scope="module")
-def reference(real_data, tmp_path_factory):
-    """single_gpu.py on the same slice: the model every DDP run must reproduce."""
-    out = tmp_path_factory.mktemp("single")
-    proc = run_script("single_gpu.py", *_args(real_data, out))
-    assert proc.returncode == 0, proc.stderr
-    return load_state(out / "model.pth"), proc.stdout
 
 
 def _accuracy_lines(log):
@@ -124,7 +108,7 @@ def test_two_torchrun_nodes_on_one_machine(real_data, reference, tmp_path, procs
     port = free_port()
     nodes = [procs.start([*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
                           "--master-addr", "127.0.0.1", "--master-port", str(port), "ddp_launch.py",
-                          *_args(real_data, tmp_path / "run"), "--timeout", "60"]) for n in range(2)]
+                          *slice_args(real_data, tmp_path / "run"), "--timeout", "60"]) for n in range(2)]
     results = [procs.wait(p) for p in nodes]
     assert [r[0] for r in results] == [0, 0], results[0][2] + results[1][2]
     assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= 1e-5

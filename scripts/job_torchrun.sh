@@ -1,0 +1,26 @@
+#!/bin/bash
+# Chapter 3 on a SLURM cluster: srun starts ONE torchrun per node, and each torchrun starts one worker per GPU
+# running ddp_launch.py. The nodes meet at a c10d rendezvous on the first node of the job.
+#
+#   sbatch scripts/job_torchrun.sh                  # from the repository root: 2 nodes x 4 GPUs, as below
+#   sbatch scripts/job_torchrun.sh --epochs 1       # anything after the script is passed on to ddp_launch.py
+#   # a CPU-only cluster (how the tests submit it): one node, 2 CPU workers
+#   NPROC_PER_NODE=2 sbatch --nodes 1 --cpus-per-task 2 --gpus-per-node 0 scripts/job_torchrun.sh
+#
+# Compared with job.sh: SLURM starts only one task per node and torchrun does the rest (it sets RANK,
+# LOCAL_RANK, WORLD_SIZE for its workers, and can restart them with --max-restarts).
+#
+#SBATCH --job-name=fmnist-torchrun
+#SBATCH --nodes=2                # machines
+#SBATCH --ntasks-per-node=1      # ONE task per machine: the torchrun launcher
+#SBATCH --gpus-per-node=4        # GPUs per machine; torchrun starts one worker per GPU
+#SBATCH --cpus-per-task=32       # all the cores torchrun's workers share (each gets cpus / workers threads)
+#SBATCH --time=00:30:00          # wall-clock limit: SLURM stops the job after this
+#SBATCH --output=%x-%j.out       # the log, in the folder you submitted from: %x = job name, %j = job id
+
+# The first host of the allocation hosts the rendezvous; the port is derived from the job id, so two jobs
+# on one node do not collide. NPROC_PER_NODE (default: one per visible GPU) overrides the worker count.
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=$((20000 + SLURM_JOB_ID % 10000))
+srun --kill-on-bad-exit=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node "${NPROC_PER_NODE:-gpu}" \
+    --rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" ddp_launch.py "$@"
