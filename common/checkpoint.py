@@ -1,11 +1,18 @@
-"""Weights on disk: written atomically, loaded safely (weights_only=True), without DDP's `module.` prefix."""
+"""Weights and snapshots on disk: written atomically, loaded safely (weights_only=True), without `module.`."""
+import io
 import os
 import tempfile
 from pathlib import Path
 
 import torch
 
+from common.distributed import all_reduce_sum, print0
 from common.errors import FatalError
+
+SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v1"
+# The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones.
+# The world size, device, data folder and --epochs may change: the same global batch trains the same model.
+TRAJECTORY_FLAGS = ("batch_size", "lr", "seed", "train_samples")
 
 
 def unwrap(model):
@@ -13,33 +20,40 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def prepare_output(folder):
+def prepare_output(folder, flag="--output"):
     """Create the output folder now and check it is writable, so a bad --output fails before training."""
     path = Path(folder)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise FatalError(f"cannot create output folder {folder}: {e.strerror}; pass a writable --output") from None
+        raise FatalError(f"cannot create folder {folder}: {e.strerror}; pass a writable {flag}") from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise FatalError(f"output folder {folder} is not writable; pass a writable --output")
+        raise FatalError(f"folder {folder} is not writable; pass a writable {flag}")
     return path
 
 
 def atomic_save(obj, path):
-    """torch.save to a temporary file in the same folder, fsync, then rename: a crash never leaves half a file."""
+    """torch.save to a temporary file in the same folder, fsync, then rename: a crash never leaves half a file.
+
+    The bytes are made in memory first, so a full disk shows up as a plain OSError from write() (torch's own
+    zip writer reports it as an obscure RuntimeError), and the old file stays in place until the rename.
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as e:
-        os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise FatalError(f"cannot write {path}: {e.strerror}; free some space or pass another --output") from None
-        raise
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise FatalError(f"cannot write {path}: {e.strerror}; free some space or write to another folder "
+                         f"(--output / --snapshot)") from None
 
 
 def save_weights(model, path, ctx):
@@ -59,3 +73,75 @@ def load_weights(path, map_location="cpu"):
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise FatalError(f"{path} holds no state_dict of tensors")
     return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def save_snapshot(model, optimizer, epochs_done, history, cfg, ctx):
+    """Global rank 0 writes everything a run needs to continue; every rank waits until it is on disk.
+
+    The barrier is a sum of "written" flags, so when rank 0 cannot write (full disk, read-only folder) all
+    ranks stop with an error instead of training on without a snapshot. The data order needs no state of its
+    own: each epoch's shuffle is drawn from seed + epoch, so the epoch to start from is enough.
+    """
+    error = None
+    if ctx.is_main:
+        snapshot = dict(
+            format=SNAPSHOT_FORMAT,
+            epochs_done=epochs_done,
+            model=unwrap(model).state_dict(),
+            optimizer=optimizer.state_dict(),
+            rng=torch.get_rng_state(),
+            config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS},
+            history=history,
+        )
+        try:
+            atomic_save(snapshot, cfg.snapshot)
+        except FatalError as e:
+            error = e
+    (written,) = all_reduce_sum([error is None], ctx)
+    if error is not None:
+        raise error
+    if written < ctx.world_size:
+        raise FatalError(f"rank 0 could not write the snapshot {cfg.snapshot} (see its error)")
+
+
+def _flag_text(name, value):
+    return f"--{name.replace('_', '-')} {value}"
+
+
+def load_snapshot(model, optimizer, cfg, ctx):
+    """Continue from cfg.snapshot if it exists: returns (epochs already done, their history), else (0, [])."""
+    path = Path(cfg.snapshot)
+    prepare_output(path.parent, "--snapshot")  # fail now, not after the first epoch
+    if not path.exists():
+        return 0, []
+    fix = "delete it to start afresh, or pass another --snapshot"
+    try:
+        # weights_only: tensors and plain containers only, no pickled code. map_location: straight onto this
+        # rank's device, so the ranks of one machine do not all pile their copies onto GPU 0 first.
+        snapshot = torch.load(path, map_location=ctx.device, weights_only=True)
+    except Exception as e:  # truncated zip, a pickle weights_only refuses, not a torch file at all
+        raise FatalError(f"snapshot {path} cannot be read ({type(e).__name__}): is it cut off or another kind "
+                         f"of file? {fix}") from None
+    if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
+        raise FatalError(f"{path} is not a snapshot of this tutorial (a model.pth or another program's file?); {fix}")
+    made_with = snapshot["config"]
+    different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
+    if different:
+        theirs = " ".join(_flag_text(n, made_with.get(n)) for n in different)
+        ours = " ".join(_flag_text(n, getattr(cfg, n)) for n in different)
+        raise FatalError(f"snapshot {path} was made with {theirs}, this run has {ours}; resume with the "
+                         f"snapshot's flags, or {fix}")
+    try:
+        unwrap(model).load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        reason = str(e).strip().splitlines()[0]
+        raise FatalError(f"snapshot {path} holds a different model ({reason}); {fix}") from None
+    epochs_done = snapshot["epochs_done"]
+    if epochs_done > cfg.epochs:
+        raise FatalError(f"snapshot {path} has {epochs_done} epochs done, more than --epochs {cfg.epochs}; pass "
+                         f"--epochs {epochs_done} or more, or {fix}")
+    torch.set_rng_state(snapshot["rng"].cpu())
+    left = f"continuing with epoch {epochs_done + 1}" if epochs_done < cfg.epochs else "nothing left to train"
+    print0(ctx, f"Resuming from {path}: {epochs_done} of {cfg.epochs} epochs done, {left}")
+    return epochs_done, snapshot["history"]

@@ -24,6 +24,8 @@ class Config:
     test_samples: Optional[int] = None  # evaluate on the first N test images only
     log_every: int = 100  # batches between "loss:" lines, as in the quickstart
     timeout: float = 120.0  # seconds a rendezvous or collective may wait: a missing peer fails, never hangs
+    snapshot: Optional[str] = None  # file to resume from (if it exists) and to save to every save_every epochs
+    save_every: int = 1  # epochs between snapshots (with --snapshot)
     # Chapter flags: only the chapters that need them accept them (see CHAPTER_FLAGS).
     nprocs: Optional[int] = None  # ddp_mp.py: processes to spawn on this machine
     init_method: Optional[str] = None  # ddp_tcp_manual.py: tcp://HOST:PORT or file:///path
@@ -34,7 +36,10 @@ class Config:
     def describe(self):
         """One line with every setting the chapter uses, for the top of the log."""
         items = asdict(self).items()
-        return "Config: " + " ".join(f"{k}={v}" for k, v in items if k not in CHAPTER_FLAGS or v is not None)
+        shown = {k: v for k, v in items if k not in CHAPTER_FLAGS or v is not None}
+        if self.snapshot is None:  # no snapshots: their settings change nothing
+            del shown["snapshot"], shown["save_every"]
+        return "Config: " + " ".join(f"{k}={v}" for k, v in shown.items())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,6 +102,8 @@ def build_parser(description=None, chapter_flags=()):
     p.add_argument("--test-samples", type=_positive_int, default=d.test_samples, help="use only the first N test images")
     p.add_argument("--log-every", type=_positive_int, default=d.log_every, help="batches between loss lines (default %(default)s)")
     p.add_argument("--timeout", type=_positive_float, default=d.timeout, help="seconds to wait for peers at a rendezvous or collective (default %(default)s)")
+    p.add_argument("--snapshot", default=d.snapshot, help="snapshot file: resume from it if it exists, save to it every --save-every epochs")
+    p.add_argument("--save-every", type=_positive_int, default=None, help=f"epochs between snapshots (default {d.save_every}; needs --snapshot)")
     for name in chapter_flags:
         p.add_argument("--" + name.replace("_", "-"), required=name in ("init_method", "rank", "world_size"), **CHAPTER_FLAGS[name])
     return p
@@ -139,6 +146,9 @@ def parse_config(argv=None, description=None, chapter_flags=()):
         parser.error(f"--rank {cfg.rank} must be below --world-size {cfg.world_size} (ranks count from 0)")
     if cfg.init_method is not None and not _valid_init_method(cfg.init_method):
         parser.error(f"--init-method {cfg.init_method!r}: use tcp://HOST:PORT (rank 0's address) or file:///shared/path")
+    if cfg.save_every is not None and cfg.snapshot is None:
+        parser.error("--save-every needs --snapshot FILE (the file to save to and resume from)")
+    cfg.save_every = cfg.save_every or Config.save_every
     if cfg.output is None:
         cfg.output = str(Path("runs") / Path(sys.argv[0]).stem)
     return cfg

@@ -1,4 +1,6 @@
 """Who am I and where do I run: device and backend choice, DistContext, rank-0 printing, reductions."""
+import errno
+import ipaddress
 import os
 import socket
 import sys
@@ -6,11 +8,14 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
-from common.errors import FatalError, UsageError
+from common.errors import FatalError, UsageError, joined_group
+
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,50 @@ def cpu_threads(world_size):
     return max(1, (per_task or os.cpu_count() or 1) // sharing)
 
 
+def _listening_socket(host, port):
+    """Rank 0's listening socket on exactly `host`, if it is an IP address; None for a host name.
+
+    Left to itself, TCPStore listens on every interface of rank 0's machine, whatever address the
+    other ranks were told. With an address (tcp://10.0.0.1:29500, MASTER_ADDR=127.0.0.1) rank 0 listens
+    on that one only, so a private-network or loopback address keeps the store off the other networks.
+    A host name is left alone: it can resolve to another address on rank 0's own machine (127.0.1.1).
+    """
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return None
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise FatalError(f"{host} is not an address of this machine, so rank 0 cannot listen on it; give rank 0's "
+                             f"own address (`ip -br addr` lists them), e.g. the one on the private network") from None
+        raise  # a busy port: explained with the other rendezvous errors
+
+
+def _rendezvous_store(init_method, rank, world_size, timeout):
+    """The key-value store where the ranks exchange addresses; None for file:// (init_process_group opens it)."""
+    if init_method.startswith("file://"):
+        return None
+    if init_method == "env://":
+        host, port = os.environ.get("MASTER_ADDR", "localhost"), int(os.environ.get("MASTER_PORT", "29500"))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent serves the store for the whole job and keeps it across --max-restarts, and
+            # recent torch (2.15 here) adds no per-attempt prefix. Restarted workers then find the dead workers'
+            # gloo/NCCL addresses still there and may dial those instead of their new peers ("Connect timeout",
+            # every other restart here). A prefix per restart gives each attempt clean keys, as older torch did.
+            agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+            return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+    else:
+        url = urlparse(init_method)
+        host, port = url.hostname, url.port
+    listening = _listening_socket(host, port) if rank == 0 else None
+    # The libuv server takes over a listening socket from torch 2.8 on; before that the classic server does.
+    classic = {} if listening is None or TORCH_VERSION >= (2, 8) else {"use_libuv": False}
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                         master_listen_fd=listening.detach() if listening else None, **classic)
+
+
 def init_distributed(cfg, rank, local_rank, world_size, init_method="env://"):
     """Join the process group (NCCL on GPUs, gloo on CPUs) with cfg.timeout; returns this process's DistContext."""
     check_global_batch(cfg.batch_size, world_size)
@@ -233,13 +282,18 @@ def init_distributed(cfg, rank, local_rank, world_size, init_method="env://"):
     backend = backend_for(device)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpu_threads(world_size))
+    timeout = timedelta(seconds=cfg.timeout)
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=cfg.timeout))
+        store = _rendezvous_store(init_method, rank, world_size, timeout)
+        where = {"store": store} if store is not None else {"init_method": init_method}
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **where)
+    except FatalError:
+        raise
     except Exception as e:  # DistNetworkError, DistStoreError, RuntimeError, ValueError: one line, not a traceback
         raise FatalError(explain_rendezvous_error(e, init_method, rank, cfg.timeout)) from None
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
                       init_method=init_method)
+    joined_group(rank)
     # One write per line (newline included), so the ranks' lines do not interleave in a shared log file.
     print(f"[rank {rank}] host={socket.gethostname()} local_rank={local_rank} device={device} backend={backend} "
           f"world_size={world_size} threads={torch.get_num_threads()}\n", end="", flush=True)

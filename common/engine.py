@@ -4,6 +4,7 @@ import time
 import torch
 from torch import nn
 
+from common.checkpoint import load_snapshot, save_snapshot
 from common.distributed import all_reduce_sum, print0
 
 loss_fn = nn.CrossEntropyLoss()
@@ -54,9 +55,13 @@ def evaluate(model, loader, ctx):
 
 
 def fit(model, train_loader, test_loader, optimizer, cfg, ctx):
-    """Train for cfg.epochs, testing after each; prints the quickstart's log and returns one dict per epoch."""
-    history = []
-    for epoch in range(cfg.epochs):
+    """Train for cfg.epochs, testing after each; prints the quickstart's log and returns one dict per epoch.
+
+    With --snapshot, it first continues from the snapshot if there is one, and saves one every --save-every
+    epochs (and after the last), so a run that is killed loses at most those epochs.
+    """
+    start, history = load_snapshot(model, optimizer, cfg, ctx) if cfg.snapshot else (0, [])
+    for epoch in range(start, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         # A new order each epoch. DistributedSampler needs this call on every rank, or every epoch repeats epoch 0.
         sampler = getattr(train_loader.sampler, "sampler", train_loader.sampler)  # DataLoader -> BatchSampler -> sampler
@@ -72,5 +77,7 @@ def fit(model, train_loader, test_loader, optimizer, cfg, ctx):
         print0(ctx, f"Test Error: \n Accuracy: {100 * accuracy:>0.1f}%, Avg loss: {test_loss:>8f} \n")
         history.append(dict(epoch=epoch + 1, train_loss=train_loss, train_seconds=seconds,
                             samples_per_second=samples / seconds, test_accuracy=accuracy, test_loss=test_loss))
+        if cfg.snapshot and ((epoch + 1) % cfg.save_every == 0 or epoch + 1 == cfg.epochs):
+            save_snapshot(model, optimizer, epoch + 1, history, cfg, ctx)
     print0(ctx, "Done!")
     return history

@@ -1,5 +1,6 @@
 """One way to stop: a clear line on stderr and a non-zero exit, never a traceback for a problem the user can fix."""
 import os
+import re
 import sys
 
 
@@ -23,6 +24,29 @@ def _report(error, rank=None):
     print("error:", text, file=sys.stderr, flush=True)
 
 
+# The global rank of this process once it has joined a process group (set by init_distributed), else None.
+_group_rank = None
+
+# Words in the errors gloo and NCCL raise when a peer is gone or silent (the process was killed, the network dropped).
+_PEER_LOST = re.compile(r"gloo|nccl|connection|timed out|socket|peer", re.IGNORECASE)
+
+
+def joined_group(rank):
+    """Called once this process is in a process group: from now on a failed collective is explained, not traced."""
+    global _group_rank
+    _group_rank = rank
+
+
+def lost_peers(error):
+    """A collective that failed because another rank died or stalled, as one FatalError line; else None."""
+    if _group_rank is None or not _PEER_LOST.search(str(error)):
+        return None
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())  # drop gloo's "[.../pair.cc:545]" prefix
+    reason = reason.split(". This is typically")[0][:200]
+    return FatalError(f"[rank {_group_rank}] lost contact with the other ranks ({reason}): another rank died or was "
+                      f"stopped (see its log), or the network between them failed")
+
+
 def run_main(main):
     """Run an entry script's main(): FatalError becomes one line and its exit code, Ctrl-C exit 130."""
     from torch.multiprocessing import ProcessExitedException
@@ -32,6 +56,12 @@ def run_main(main):
     except FatalError as e:
         _report(e)
         sys.exit(e.exit_code)
+    except RuntimeError as e:
+        lost = lost_peers(e)
+        if lost is None:
+            raise
+        _report(lost)
+        sys.exit(lost.exit_code)
     except ProcessExitedException as e:  # an mp.spawn worker failed; spawn has already stopped the others
         if e.signal_name:
             print(f"error: rank {e.error_index} was killed by {e.signal_name}", file=sys.stderr, flush=True)
@@ -51,3 +81,9 @@ def run_worker(rank, fn, *args):
     except FatalError as e:
         _report(e, rank)
         sys.exit(e.exit_code)
+    except RuntimeError as e:
+        lost = lost_peers(e)
+        if lost is None:
+            raise
+        _report(lost)
+        sys.exit(lost.exit_code)

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -149,6 +150,39 @@ def test_busy_port_is_named(procs):
     _one_error_line(err, f"port {port} is busy")
 
 
+def _listening(port):
+    """Local addresses (as hex, from /proc/net/tcp and tcp6) with a socket listening on port."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+def test_rank0_listens_only_on_the_address_it_was_given(procs):
+    """tcp://127.0.0.1:PORT: the store listens on loopback only, not on every interface (TCPStore's default)."""
+    port = free_port()
+    p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{port}",
+                     "--rank", "0", "--world-size", "2", "--timeout", "5"])
+    deadline = time.monotonic() + 60
+    while not _listening(port) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _listening(port) == ["0100007F"]  # 127.0.0.1, and no 0.0.0.0 or :: entry
+    code, _, err = procs.wait(p, timeout=60)  # rank 1 never comes: the rendezvous times out
+    assert code == 1 and "no rendezvous at 127.0.0.1" in err, err
+
+
+def test_an_address_of_another_machine_is_refused(procs):
+    """Rank 0 told to listen on an address it does not have (192.0.2.1 is a documentation-only address)."""
+    p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://192.0.2.1:{free_port()}",
+                     "--rank", "0", "--world-size", "2", "--timeout", "5"])
+    code, _, err = procs.wait(p, timeout=60)
+    assert code == 1
+    _one_error_line(err, "192.0.2.1 is not an address of this machine")
+
+
 def test_leftover_rendezvous_file_is_refused(tmp_path, procs):
     stale = tmp_path / "rdzv"
     stale.write_text("old")
@@ -158,20 +192,6 @@ def test_leftover_rendezvous_file_is_refused(tmp_path, procs):
     code, _, err = procs.wait(p, timeout=60)
     assert code == 1
     _one_error_line(err, "left over", str(stale))
-
-
-@pytest.mark.parametrize("script,args,needle", [
-    ("ddp_tcp_manual.py", ["--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"], "--rank 2 must be below"),
-    ("ddp_tcp_manual.py", ["--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "0"], "--world-size"),
-    ("ddp_tcp_manual.py", ["--init-method", "udp://x", "--rank", "0", "--world-size", "2"], "--init-method"),
-    ("ddp_tcp_manual.py", ["--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "5"], "split evenly over 5"),
-    ("ddp_mp.py", ["--nprocs", "5"], "split evenly over 5"),
-    ("ddp_launch.py", [], "start this script with torchrun"),
-])
-def test_bad_distributed_setup_exits_2(script, args, needle):
-    proc = run_script(script, *args, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    _one_error_line(proc.stderr.replace(f"{script}: error:", "error:"), needle)
 
 
 @pytest.mark.parametrize("script", ["ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py"])

@@ -1,0 +1,352 @@
+"""Nothing lost, nothing hangs: snapshots and resume, elastic restart, killed ranks, damaged files, full disks."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.distributed import free_port
+from conftest import REPO, load_state, max_abs_diff, run_script
+from test_ddp import BASE_ENV, TORCHRUN, _one_error_line, procs  # noqa: F401  (procs is a fixture)
+
+# Long enough epochs (200 steps) that a kill lands inside one; short enough to keep the suite quick.
+LONG = ["--train-samples", "9600", "--test-samples", "500", "--batch-size", "48", "--epochs", "3", "--log-every", "50"]
+
+
+def args_for(real_data, out, *extra):
+    return [*LONG, "--data-dir", str(real_data), "--output", str(out), *extra]
+
+
+class Watched:
+    """A process whose stdout is read line by line in the background, so a test can act on a given line."""
+
+    def __init__(self, procs, cmd):
+        self.proc = procs.start(cmd)
+        self.lines = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
+        self._reader.start()
+
+    def wait_for(self, text, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            ended = not self._reader.is_alive()  # stdout closed: the line will never come
+            assert not ended and time.monotonic() < deadline, f"no {text!r} within {timeout}s:\n{''.join(self.lines)}"
+            time.sleep(0.01)
+
+    def finish(self, timeout=300):
+        """(returncode, stdout, stderr) once the process has ended."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            pytest.fail(f"still running after {timeout}s:\n{''.join(self.lines)}")
+        self._reader.join()
+        return self.proc.returncode, "".join(self.lines), self.proc.stderr.read()
+
+
+def children(pid):
+    """PIDs whose parent is pid (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def worker_with_rank(launcher_pid, rank):
+    """The training process below a launcher (torchrun or mp.spawn) whose environment or argv says this rank."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        todo = children(launcher_pid)
+        while todo:
+            pid = todo.pop()
+            todo += children(pid)
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ and b"ddp_launch.py" in cmdline:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} worker below {launcher_pid}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(real_data, tmp_path_factory):
+    """single_gpu.py for all 3 epochs in one go: what every interrupted-and-resumed run must end with."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_script("single_gpu.py", *args_for(real_data, out))
+    assert proc.returncode == 0, proc.stderr
+    return load_state(out / "model.pth")
+
+
+def test_single_gpu_killed_mid_epoch_resumes_to_the_same_weights(real_data, uninterrupted, tmp_path, procs):
+    snap = tmp_path / "snap.pt"
+    cmd = [sys.executable, "single_gpu.py", *args_for(real_data, tmp_path / "run", "--snapshot", snap)]
+    run = Watched(procs, cmd)
+    run.wait_for("Epoch 2")  # epoch 1's snapshot is on disk (it is written before "Epoch 2" is printed)
+    run.wait_for("[ 2400/ 9600]")  # well inside epoch 2
+    os.kill(run.proc.pid, signal.SIGKILL)
+    code, _, _ = run.finish()
+    assert code == -signal.SIGKILL and not (tmp_path / "run" / "model.pth").exists()
+
+    code, out, err = Watched(procs, cmd).finish()
+    assert code == 0, err
+    assert f"Resuming from {snap}: 1 of 3 epochs done, continuing with epoch 2" in out
+    assert "Epoch 1\n" not in out and out.count("Epoch 2\n") == 1 and out.count("Epoch 3\n") == 1
+    assert max_abs_diff(uninterrupted, load_state(tmp_path / "run" / "model.pth")) <= 1e-6
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_more_epochs_continue_a_finished_run(real_data, uninterrupted, tmp_path):
+    """--epochs 2 then --epochs 3 with the same snapshot: the same weights as 3 epochs at once."""
+    snap = tmp_path / "snap.pt"
+    first = run_script("single_gpu.py", *args_for(real_data, tmp_path / "a", "--snapshot", snap, "--epochs", "2"))
+    assert first.returncode == 0, first.stderr
+    second = run_script("single_gpu.py", *args_for(real_data, tmp_path / "b", "--snapshot", snap))
+    assert second.returncode == 0, second.stderr
+    assert "2 of 3 epochs done, continuing with epoch 3" in second.stdout
+    assert max_abs_diff(uninterrupted, load_state(tmp_path / "b" / "model.pth")) <= 1e-6
+
+
+def test_torchrun_restarts_a_killed_worker_and_resumes(real_data, tmp_path, procs):
+    """torchrun --max-restarts: SIGKILL rank 1 mid-epoch; the group restarts from the last snapshot."""
+    straight = tmp_path / "straight"
+    base = [*TORCHRUN, "--standalone", "--nproc-per-node", "2"]
+    code, _, err = Watched(procs, [*base, "ddp_launch.py", *args_for(real_data, straight)]).finish()
+    assert code == 0, err
+
+    snap = tmp_path / "snap.pt"
+    run = Watched(procs, [*base, "--max-restarts", "1", "ddp_launch.py",
+                          *args_for(real_data, tmp_path / "run", "--snapshot", snap, "--timeout", "30")])
+    run.wait_for("Epoch 2")
+    run.wait_for("[ 2400/ 9600]")
+    os.kill(worker_with_rank(run.proc.pid, 1), signal.SIGKILL)
+    code, out, err = run.finish()
+    assert code == 0, err
+    assert f"Resuming from {snap}: 1 of 3 epochs done, continuing with epoch 2" in out
+    assert out.count("Done!") == 1
+    assert max_abs_diff(load_state(straight / "model.pth"), load_state(tmp_path / "run" / "model.pth")) <= 1e-6
+
+
+@pytest.mark.parametrize("kind", ["mp", "tcp"])
+def test_a_killed_rank_ends_the_others_instead_of_hanging(kind, real_data, tmp_path, procs):
+    """SIGKILL one rank mid-epoch: the others stop with one line and a non-zero exit, well within --timeout."""
+    extra = ["--timeout", "60"]
+    if kind == "mp":
+        runs = [Watched(procs, [sys.executable, "ddp_mp.py", "--nprocs", "2", *args_for(real_data, tmp_path, *extra)])]
+        runs[0].wait_for("[ 2400/ 9600]")
+        workers = [pid for pid in children(runs[0].proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        victim = workers[0]
+    else:
+        init = f"tcp://127.0.0.1:{free_port()}"
+        runs = [Watched(procs, [sys.executable, "ddp_tcp_manual.py", "--init-method", init, "--rank", str(r),
+                                "--world-size", "2", *args_for(real_data, tmp_path, *extra)]) for r in range(2)]
+        runs[0].wait_for("[ 2400/ 9600]")
+        victim = runs[1].proc.pid
+    start = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    code, out, err = runs[0].finish(timeout=90)
+    assert code != 0 and time.monotonic() - start < 30, err
+    assert "Done!" not in out
+    if kind == "tcp":
+        _one_error_line(err, "[rank 0] lost contact with the other ranks")
+        return
+    # mp.spawn names the rank that died; a survivor that noticed first may have said so in one line of its own.
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and any(re.fullmatch(r"error: rank [01] was killed by SIGKILL", x) for x in lines), err
+    assert all("was killed by SIGKILL" in x or "lost contact with the other ranks" in x for x in lines), err
+    assert len(lines) <= 2, err
+
+
+def test_a_stalled_rank_times_out(real_data, tmp_path, procs):
+    """A rank that stops answering (SIGSTOP) is not waited on forever: its peer fails after --timeout."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    runs = [Watched(procs, [sys.executable, "ddp_tcp_manual.py", "--init-method", init, "--rank", str(r),
+                            "--world-size", "2", *args_for(real_data, tmp_path, "--timeout", "5")]) for r in range(2)]
+    runs[0].wait_for("[ 2400/ 9600]")
+    start = time.monotonic()
+    os.kill(runs[1].proc.pid, signal.SIGSTOP)
+    code, _, err = runs[0].finish(timeout=90)
+    os.kill(runs[1].proc.pid, signal.SIGKILL)
+    assert code == 1 and time.monotonic() - start < 5 + 15, err
+    _one_error_line(err, "[rank 0] lost contact with the other ranks", "Timed out")
+
+
+# ---- damaged or foreign snapshots: one line, exit 1, the file left as it was ----
+
+@pytest.fixture(scope="module")
+def good_snapshot(real_data, tmp_path_factory):
+    """A snapshot after 1 epoch of the LONG run."""
+    folder = tmp_path_factory.mktemp("good")
+    snap = folder / "snap.pt"
+    proc = run_script("single_gpu.py", *args_for(real_data, folder, "--snapshot", snap, "--epochs", "1"))
+    assert proc.returncode == 0, proc.stderr
+    return snap
+
+
+def _truncated(good, path):
+    path.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+
+
+def _weights_file(good, path):
+    torch.save(torch.load(good, weights_only=True)["model"], path)
+
+
+def _other_model(good, path):
+    snap = torch.load(good, weights_only=True)
+    snap["model"]["linear_relu_stack.4.weight"] = torch.zeros(7, 512)
+    torch.save(snap, path)
+
+
+def _pickled_code(good, path):
+    torch.save({"format": "x", "payload": Path("/")}, path)  # a Path pickles as code weights_only refuses
+
+
+@pytest.mark.parametrize("make,extra,needle", [
+    (_truncated, [], "cannot be read"),
+    (_pickled_code, [], "cannot be read"),
+    (_weights_file, [], "is not a snapshot of this tutorial"),
+    (_other_model, [], "holds a different model"),
+    (lambda good, path: path.write_bytes(good.read_bytes()), ["--batch-size", "96", "--lr", "0.01"],
+     "was made with --batch-size 48 --lr 0.001, this run has --batch-size 96 --lr 0.01"),
+    (lambda good, path: path.write_bytes(good.read_bytes()), ["--epochs", "0"], "must be a positive integer"),
+], ids=["truncated", "pickled-code", "weights-not-snapshot", "other-model", "other-flags", "bad-flag-first"])
+def test_bad_snapshot_is_refused_with_one_line(make, extra, needle, good_snapshot, real_data, tmp_path):
+    snap = tmp_path / "snap.pt"
+    make(good_snapshot, snap)
+    before = snap.read_bytes()
+    proc = run_script("single_gpu.py", *args_for(real_data, tmp_path / "run", "--snapshot", snap, *extra))
+    assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+    assert snap.read_bytes() == before and not (tmp_path / "run" / "model.pth").exists()
+
+
+def test_snapshot_ahead_of_epochs_is_refused(good_snapshot, real_data, tmp_path):
+    snap = tmp_path / "snap.pt"
+    snap.write_bytes(good_snapshot.read_bytes())
+    snapshot = torch.load(snap, weights_only=True)
+    snapshot["epochs_done"] = 5
+    torch.save(snapshot, snap)
+    proc = run_script("single_gpu.py", *args_for(real_data, tmp_path / "run", "--snapshot", snap))
+    assert proc.returncode == 1 and "has 5 epochs done, more than --epochs 3" in proc.stderr, proc.stderr
+
+
+# ---- full and read-only disks: a real small tmpfs (root only; the tests run as root in CI) ----
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size, read_only=False) -> a fresh tmpfs folder; all are unmounted at the end."""
+    mounted = []
+
+    def mount(size, read_only=False, name="disk"):
+        point = tmp_path / name
+        point.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            reason = f"cannot mount a tmpfs here: {proc.stderr.strip() or proc.returncode}"
+            pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def _remount_read_only(point):
+    subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+
+
+def test_full_disk_at_save_leaves_no_half_file(real_data, small_disk):
+    out = small_disk("1m")  # model.pth is 2.7 MB
+    proc = run_script("single_gpu.py", *args_for(real_data, out, "--epochs", "1"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "No space left on device" in proc.stderr
+    assert list(out.iterdir()) == []  # neither model.pth nor a temporary file
+
+
+def test_full_disk_keeps_the_previous_snapshot(good_snapshot, real_data, small_disk, tmp_path):
+    size = good_snapshot.stat().st_size
+    disk = small_disk(f"{size * 3 // 2 // 1024}k")  # room for one snapshot, not for a second one beside it
+    snap = disk / "snap.pt"
+    snap.write_bytes(good_snapshot.read_bytes())
+    proc = run_script("single_gpu.py", *args_for(real_data, tmp_path / "run", "--snapshot", snap))
+    assert proc.returncode == 1 and "No space left on device" in proc.stderr, proc.stderr
+    assert "Resuming from" in proc.stdout and "Traceback" not in proc.stderr
+    assert snap.read_bytes() == good_snapshot.read_bytes() and [p.name for p in disk.iterdir()] == ["snap.pt"]
+
+
+def test_read_only_disk(good_snapshot, real_data, small_disk, tmp_path):
+    from common.checkpoint import atomic_save
+    from common.errors import FatalError
+
+    disk = small_disk("16m")
+    snap = disk / "snap.pt"
+    snap.write_bytes(good_snapshot.read_bytes())
+    _remount_read_only(disk)
+    # At start: the snapshot's folder is checked before any training.
+    proc = run_script("single_gpu.py", *args_for(real_data, tmp_path / "run", "--snapshot", snap))
+    assert proc.returncode == 1 and "is not writable; pass a writable --snapshot" in proc.stderr, proc.stderr
+    assert "Epoch" not in proc.stdout
+    # At save time (a disk that turned read-only mid-run): one line, the old file untouched.
+    with pytest.raises(FatalError, match="Read-only file system"):
+        atomic_save({"w": torch.zeros(3)}, snap)
+    assert snap.read_bytes() == good_snapshot.read_bytes()
+
+
+# ---- bad flags: every entry script, every bad value: exit 2, one line, no traceback ----
+
+COMMON_BAD = [["--epochs", "0"], ["--epochs", "-1"], ["--batch-size", "0"], ["--batch-size", "-64"],
+              ["--lr", "0"], ["--lr", "-0.1"], ["--device", "tpu"], ["--save-every", "0"]]
+SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py"]
+TCP = ["--init-method", "tcp://127.0.0.1:1", "--world-size", "2", "--rank", "0"]
+# As torchrun / srun would set them for rank 0 of 2 (nothing is started: the flags are refused first).
+TORCHRUN_ENV = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+SLURM_ENV = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
+                 SLURM_JOB_NODELIST="localhost")
+NEEDS = {"ddp_tcp_manual.py": (TCP, {}), "ddp_launch.py": ([], TORCHRUN_ENV), "ddp_slurm.py": ([], SLURM_ENV)}
+
+BAD = [(s, flag, NEEDS.get(s, ([], {}))[1], None) for s in SCRIPTS for flag in COMMON_BAD] + [
+    # a global batch that does not split over the ranks
+    ("ddp_mp.py", ["--nprocs", "2", "--batch-size", "63"], {}, "split evenly over 2"),
+    ("ddp_launch.py", ["--batch-size", "63"], TORCHRUN_ENV, "split evenly over 2"),
+    ("ddp_tcp_manual.py", ["--batch-size", "63"], {}, "split evenly over 2"),
+    ("ddp_slurm.py", ["--batch-size", "63"], SLURM_ENV, "split evenly over 2"),
+    # ranks and world sizes
+    ("ddp_tcp_manual.py", ["--rank", "2"], {}, "--rank 2 must be below --world-size 2"),
+    ("ddp_tcp_manual.py", ["--world-size", "0"], {}, "--world-size"),
+    ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_PROCID="2"), "SLURM_PROCID=2 is not below SLURM_NTASKS=2"),
+    ("ddp_mp.py", ["--nprocs", "0"], {}, "--nprocs"),
+    ("ddp_launch.py", [], {}, "start this script with torchrun"),
+    ("single_gpu.py", ["--save-every", "2"], {}, "--save-every needs --snapshot"),
+    # malformed rendezvous
+    ("ddp_tcp_manual.py", ["--init-method", "udp://x"], {}, "--init-method"),
+    ("ddp_tcp_manual.py", ["--init-method", "tcp://host:port"], {}, "--init-method"),
+    ("ddp_tcp_manual.py", ["--init-method", "file://relative/path"], {}, "--init-method"),
+    # a flag another chapter has
+    ("single_gpu.py", ["--nprocs", "2"], {}, "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("script,flag,env,needle", BAD, ids=[f"{s}:{' '.join(f) or 'env'}" for s, f, _, _ in BAD])
+def test_bad_flag_exits_2_with_one_line(script, flag, env, needle):
+    args = NEEDS.get(script, ([], {}))[0]
+    proc = run_script(script, *args, *flag, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert needle is None or needle in proc.stderr, proc.stderr
+    assert proc.stdout == ""
