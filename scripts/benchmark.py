@@ -31,10 +31,12 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 from common import data  # noqa: E402
 from common.config import check_device  # noqa: E402
 from common.errors import FatalError, run_main  # noqa: E402
+from common.distributed import free_port  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
 
 BATCH_SIZE, LR, SEED = 64, 1e-3, 0  # the quickstart's settings, which single_gpu.py also defaults to
@@ -190,7 +193,6 @@ def case_ddp_floor(args):
     """(f)-(h) The parts of a DDP step on --nprocs ranks, each timed alone: compute, all-reduce, both by hand."""
     import torch.multiprocessing as mp
 
-    from common.distributed import free_port
 
     mp.spawn(_floor_worker, args=(args, free_port()), nprocs=args.nprocs)
 
@@ -294,7 +296,18 @@ def quickstart_command(ws):
     return ws.inner("quickstart") + ["--torchvision-root", str(ws.torchvision_root())]
 
 
-PY, TORCHRUN = [sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+PY = [sys.executable]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN_1 = TORCHRUN[:-1] + ["1"]
+
+
+def tcp_pair(ws):
+    """Chapter 5 as a user runs it: rank 1 started in the background, rank 0 in front (its log is the one parsed)."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ranks = [chapter(PY, "ddp_tcp_manual.py", "--init-method", init, "--world-size", "2", "--rank", str(r),
+                     "--local-rank", str(r))(ws) for r in (1, 0)]
+    ranks[0][-1] += "-rank1"  # its own --output folder: only rank 0 writes, but keep them apart anyway
+    return ["sh", "-c", f"{shlex.join(ranks[0])} >/dev/null & {shlex.join(ranks[1])}; status=$?; wait $! && exit $status"]
 CASES = [
     Case("single_gpu", "(a) single_gpu.py", 1, chapter(PY, "single_gpu.py"), parse_fit_log),
     Case("quickstart", "(b) quickstart", 1, quickstart_command, parse_bench_lines),
@@ -305,10 +318,14 @@ CASES = [
     Case("ddp_compute", "(g) DDP compute only", 2, inner("ddp_compute", "--nprocs", "2"), parse_bench_lines),
     Case("allreduce", "(h) all_reduce only", 2, inner("allreduce", "--nprocs", "2"), parse_bench_lines),
     Case("ddp_manual", "(i) compute + all_reduce by hand", 2, inner("ddp_manual", "--nprocs", "2"), parse_bench_lines),
+    Case("dataparallel", "(j) dataparallel.py", 1, chapter(PY, "dataparallel.py"), parse_fit_log),
+    Case("torchrun_1", "(k) torchrun ddp_launch.py, 1 process", 1, chapter(TORCHRUN_1, "ddp_launch.py"), parse_fit_log),
+    Case("tcp_2", "(l) ddp_tcp_manual.py, 2 by hand", 2, tcp_pair, parse_fit_log),
 ]
 CASES_BY_KEY = {case.key: case for case in CASES}
 # A row that is not run but added up: the 2-rank DDP floor = (g) compute + (h) all-reduce, each measured alone.
 DDP_FLOOR = ("ddp_floor", "(g)+(h) DDP floor", ("ddp_compute", "allreduce"))
+FLOOR_KEYS = {"floor", "ddp_compute", "allreduce", "ddp_manual", "ddp_floor"}  # measurements, not chapters
 
 # Targets: (numerator, denominator, at most) on best epoch time; None: the ratio is shown, with no target.
 TIME_TARGETS = [("single_gpu", "quickstart", 0.35), ("single_gpu", "floor", 1.10), ("ddp_mp_2", "ddp_floor", 1.15),
@@ -430,6 +447,43 @@ def table(results, epochs):
     return "\n".join(rows)
 
 
+def chart(results, path, title):
+    """A horizontal bar chart of samples/s per row, as a PNG at path. Without matplotlib: a note, no chart."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"note: no chart {path}: matplotlib is not installed (pip install matplotlib); the table and JSON "
+              f"are complete without it", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")  # a file, no window
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = list(results.values())
+    kinds = {"chapter, 1 process": "tab:blue", "chapter, 2 ranks": "tab:orange", "quickstart": "tab:green",
+             "floor or its parts (not a chapter)": "tab:gray"}
+    names = list(kinds)
+    colors = [kinds[names[3] if r["key"] in FLOOR_KEYS else names[2] if r["key"] == "quickstart" else
+                    names[0] if r["ranks"] == 1 else names[1]] for r in rows]
+    values = [r["samples_per_second"] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(rows) + 1.8), dpi=80)
+    ax.barh(range(len(rows)), values, color=colors)
+    ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=9)
+    ax.invert_yaxis()  # first row on top, as in the table
+    for i, (value, r) in enumerate(zip(values, rows)):
+        ax.text(value, i, f"  {value:,.0f}/s, {r['best_seconds']:.2f} s/epoch", va="center", fontsize=8)
+    ax.set_xlim(0, 1.45 * max(values))
+    ax.set_xlabel("training samples per second (higher is better)")
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=9)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in kinds.items()], fontsize=8, ncol=4,
+              loc="upper center", bbox_to_anchor=(0.4, -0.12))
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    print(f"Wrote {path}")
+    return True
+
+
 def environment():
     """Versions and machine facts that a timing means nothing without."""
     env = dict(python=platform.python_version(), torch=torch.__version__, cpu_count=os.cpu_count(),
@@ -456,6 +510,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
     p.add_argument("--data-dir", default=None, help="FashionMNIST folder (default: as single_gpu.py finds it)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write all measurements to PATH as JSON")
+    p.add_argument("--png", default=None, metavar="PATH", help="also draw samples/s per row as a bar chart (needs matplotlib)")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="run nothing: print the table and checks of a saved --json file again (and --png its chart)")
     p.add_argument("--cases", default=",".join(CASES_BY_KEY),
                    help=f"comma list of cases to run, from {', '.join(CASES_BY_KEY)} (default: all)")
     p.add_argument("--case", choices=sorted(INNER_CASES), help=argparse.SUPPRESS)  # inside a case's subprocess
@@ -475,6 +532,8 @@ def main():
     args = parse_args()
     if args.case:
         return INNER_CASES[args.case](args)
+    if args.from_json:
+        return report(*load_report(args.from_json), args)
     data_dir = data.locate_fashion_mnist(args.data_dir)  # once, so every case reads the same files
     selected = [case for case in CASES if case.key in args.cases]  # CASES order, whatever order --cases has
     if args.device.startswith("cuda"):  # one process per GPU: rows with more ranks than GPUs cannot run here
@@ -493,22 +552,39 @@ def main():
                 runs[case.key].append(run_case(case, ws, f"[{round_ * len(selected) + i + 1}/{total}]"))
     results = {case.key: summarize(case, runs[case.key], args.device) for case in selected}
     add_derived(results)
-    found = checks(results)
-    env = environment()
-    print(f"\nOne training epoch, best of {args.epochs} epoch(s) x {args.rounds} round(s) per case; device {args.device}; "
-          f"torch {env['torch']}, {env['torch_threads']} threads, {env['cpu_count']} cores; data {data_dir}\n")
-    print(table(results, args.epochs * args.rounds))
-    print()
-    for check in found:
-        print(check["line"])
+    payload = dict(epochs=args.epochs, rounds=args.rounds, device=args.device, data_dir=str(data_dir),
+                   environment=environment(), cases=list(results.values()), checks=checks(results))
+    report(results, payload, args)
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = dict(epochs=args.epochs, rounds=args.rounds, device=args.device, data_dir=str(data_dir), environment=env,
-                       cases=list(results.values()), checks=found)
         path.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"\nWrote {path}")
+        print(f"Wrote {path}")
 
+
+def load_report(path):
+    """(results, payload) from a file that --json wrote."""
+    try:
+        payload = json.loads(Path(path).read_text())
+        return {case["key"]: case for case in payload["cases"]}, payload
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FatalError(f"{path} is not a benchmark --json file ({type(e).__name__}: {e})") from None
+
+
+def report(results, payload, args):
+    """The table, the target checks, and the chart if --png."""
+    env = payload["environment"]
+    heading = (f"One training epoch, best of {payload['epochs']} epoch(s) x {payload['rounds']} round(s) per case; "
+               f"device {payload['device']}; torch {env['torch']}, {env['torch_threads']} threads, "
+               f"{env['cpu_count']} cores{', ' + env['gpu'] if env.get('gpu') else ''}")
+    print(f"\n{heading}; data {payload['data_dir']}\n")
+    print(table(results, payload["epochs"] * payload["rounds"]))
+    print()
+    for check in checks(results):
+        print(check["line"])
+    print()
+    if args.png:
+        chart(results, args.png, heading)
 
 if __name__ == "__main__":
     run_main(main)

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common import data  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
 
 SPLIT_SIZES = {"train": 256, "test": 96}
 
@@ -95,6 +96,19 @@ def load_state(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def assert_same_curves(metrics, reference):
+    """Two runs' metrics.jsonl draw one curve: the same records at the same steps, losses within float noise."""
+    def where(records):
+        return [(r["kind"], r["epoch"], r["step"], r.get("samples")) for r in records]
+
+    assert where(metrics) == where(reference) and len(metrics) > 0
+    for mine, ref in zip(metrics, reference):
+        for key in ("loss", "train_loss", "test_loss"):
+            if key in ref:
+                assert mine[key] == pytest.approx(ref[key], abs=1e-4), (key, mine, ref)
+        assert mine.get("test_accuracy") == ref.get("test_accuracy")
+
+
 def max_abs_diff(a, b):
     """Largest |a - b| over all tensors of two state_dicts with the same keys."""
     assert a.keys() == b.keys()
@@ -113,11 +127,11 @@ def slice_args(real_data, out):
 
 @pytest.fixture(scope="session")
 def reference(real_data, tmp_path_factory):
-    """single_gpu.py on SLICE: (state_dict, stdout), the model every distributed run must reproduce."""
+    """single_gpu.py on SLICE: (state_dict, stdout, metrics), the model every distributed run must reproduce."""
     out = tmp_path_factory.mktemp("single")
     proc = run_script("single_gpu.py", *slice_args(real_data, out))
     assert proc.returncode == 0, proc.stderr
-    return load_state(out / "model.pth"), proc.stdout
+    return load_state(out / "model.pth"), proc.stdout, read_metrics(out)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from common.distributed import free_port
-from conftest import REPO, load_state, max_abs_diff, run_script, slice_args
+from common.metrics import read_metrics
+from conftest import REPO, assert_same_curves, load_state, max_abs_diff, run_script, slice_args
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", OMP_NUM_THREADS="1")
 
@@ -90,8 +91,9 @@ CASES = [("mp", 1), ("mp", 2), ("mp", 3), ("torchrun", 1), ("torchrun", 2), ("to
 def test_ddp_trains_the_same_model(kind, world, real_data, reference, tmp_path, procs):
     codes, out, err = launch(kind, world, real_data, tmp_path / "run", procs)
     assert codes == [0] * len(codes), err
-    ref_state, ref_log = reference
+    ref_state, ref_log, ref_metrics = reference
     assert max_abs_diff(ref_state, load_state(tmp_path / "run" / "model.pth")) <= 1e-5
+    assert_same_curves(read_metrics(tmp_path / "run"), ref_metrics)  # rank 0's metrics.jsonl: the same curve
     # Exact evaluation: the same accuracy over all 500 test images, whatever the world size.
     assert _accuracy_lines(out) == _accuracy_lines(ref_log)
     assert _test_losses(out) == pytest.approx(_test_losses(ref_log), abs=2e-6)

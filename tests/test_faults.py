@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.distributed import free_port
+from common.metrics import read_metrics
 from conftest import REPO, load_state, max_abs_diff, run_script
 from test_ddp import BASE_ENV, TORCHRUN, _one_error_line, procs  # noqa: F401  (procs is a fixture)
 
@@ -108,6 +109,11 @@ def test_single_gpu_killed_mid_epoch_resumes_to_the_same_weights(real_data, unin
     assert "Epoch 1\n" not in out and out.count("Epoch 2\n") == 1 and out.count("Epoch 3\n") == 1
     assert max_abs_diff(uninterrupted, load_state(tmp_path / "run" / "model.pth")) <= 1e-6
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    # metrics.jsonl keeps epoch 1 from the killed run, drops its part of epoch 2, and goes on once per step.
+    metrics = read_metrics(tmp_path / "run")
+    assert [r["epoch"] for r in metrics if r["kind"] == "epoch"] == [1, 2, 3]
+    steps = [r["step"] for r in metrics if r["kind"] == "train"]
+    assert steps == sorted(set(steps)) and steps[:2] == [1, 51] and len(steps) == 3 * 4
 
 
 def test_more_epochs_continue_a_finished_run(real_data, uninterrupted, tmp_path):

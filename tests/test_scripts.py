@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from common.model import NeuralNetwork
-from conftest import load_state, max_abs_diff, run_script
+from common.metrics import read_metrics
+from conftest import assert_same_curves, load_state, max_abs_diff, run_script
 
 SLICE = ["--train-samples", "1280", "--test-samples", "500", "--epochs", "2", "--log-every", "5"]
 CHAPTERS = ["single_gpu.py", "dataparallel.py"]
@@ -45,6 +46,7 @@ def test_dataparallel_trains_the_same_model(slice_runs):
     assert max_abs_diff(load_state(single_out / "model.pth"), load_state(dp_out / "model.pth")) <= 1e-6
     accuracy = re.compile(r"Accuracy: .*")
     assert accuracy.findall(single.stdout) == accuracy.findall(dp.stdout)
+    assert_same_curves(read_metrics(dp_out), read_metrics(single_out))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, load_state, max_abs_diff, slice_args
+from common.metrics import read_metrics
+from conftest import REPO, assert_same_curves, load_state, max_abs_diff, slice_args
 
 # The CPU-only overrides README gives: one node, 2 tasks of one core each, no GPUs.
 CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
@@ -45,6 +46,7 @@ def test_job_trains_the_same_model(slurm, real_data, reference, tmp_path, script
     assert rc == 0 and slurm.job_state(job_id)["state"] == "COMPLETED", log
     assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= 1e-5
     assert accuracy_lines(log) == accuracy_lines(reference[1])  # over all 500 test images, from 2 shards
+    assert_same_curves(read_metrics(tmp_path / "run"), reference[2])
     assert sorted(re.findall(r"^\[rank (\d)\] host=\S+ local_rank=\1 device=cpu backend=gloo world_size=2 threads=1$",
                              log, re.M)) == ["0", "1"]
     assert log.count("Done!") == 1 and "Traceback" not in log

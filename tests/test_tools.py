@@ -1,7 +1,10 @@
-"""scripts/compare_models.py: same model or not, from the files every chapter writes."""
+"""scripts/compare_models.py and plot_curves.py: same model or not, from the files every chapter writes."""
+import json
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from common.checkpoint import SNAPSHOT_FORMAT
@@ -62,3 +65,90 @@ def test_missing_or_foreign_files_are_one_line_and_exit_2(tmp_path):
         proc = compare(tmp_path / "a.pth", tmp_path / other)
         assert proc.returncode == 2 and proc.stdout == "", proc.stdout
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error:") and needle in proc.stderr, proc.stderr
+
+
+def write_metrics(folder, losses, accuracies, steps_per_epoch=4):
+    """A metrics.jsonl as the chapters write it: train lines every step, one epoch line per epoch."""
+    folder.mkdir()
+    lines = []
+    for e, acc in enumerate(accuracies, 1):
+        for s in range(steps_per_epoch):
+            step = (e - 1) * steps_per_epoch + s + 1
+            lines.append(dict(kind="train", epoch=e, step=step, samples=step * 48, loss=losses[step - 1], time=0.1))
+        lines.append(dict(kind="epoch", epoch=e, step=e * steps_per_epoch, train_loss=1.0, test_accuracy=acc,
+                          test_loss=1.0, time=1.0))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def plot(*args, env=None):
+    return subprocess.run([sys.executable, "scripts/plot_curves.py", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_plot_curves_draws_one_png_and_measures_the_gap(tmp_path):
+    if not os.environ.get("CI"):  # make test installs matplotlib; in CI this test must run, not skip
+        pytest.importorskip("matplotlib")
+    losses = [2.3 - 0.1 * i for i in range(8)]
+    write_metrics(tmp_path / "single_gpu", losses, [0.5, 0.6])
+    write_metrics(tmp_path / "ddp_mp", [x + 2e-6 for x in losses], [0.5, 0.6])
+    write_metrics(tmp_path / "seed1", [x + 0.05 for x in losses], [0.4, 0.6])
+    out = tmp_path / "curves.png"
+    proc = plot(tmp_path / "single_gpu", tmp_path / "ddp_mp", tmp_path / "seed1", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert "ddp_mp vs single_gpu: largest loss difference 2.0e-06, the same test accuracy every epoch" in proc.stdout
+    assert "seed1 vs single_gpu: largest loss difference 5.0e-02, different test accuracy" in proc.stdout
+
+
+def test_plot_curves_without_matplotlib_or_metrics_says_so(tmp_path):
+    shim = tmp_path / "shim" / "matplotlib"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    write_metrics(tmp_path / "run", [1.0] * 4, [0.5])
+    proc = plot(tmp_path / "run", env=dict(os.environ, PYTHONPATH=str(shim.parent)))
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert "needs matplotlib, which is not installed: pip install matplotlib" in proc.stderr
+    proc = plot(tmp_path / "nothing-here")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "cannot read" in proc.stderr, proc.stderr
+
+
+def bench(*args, env=None):
+    return subprocess.run([sys.executable, "scripts/benchmark.py", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+def test_benchmark_table_json_and_chart(real_data, tmp_path):
+    """Two real rows (the chapter and the compute floor), one epoch each: table, JSON, PNG, and the JSON replayed."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("matplotlib")
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    proc = bench("--epochs", "1", "--cases", "single_gpu,floor", "--data-dir", real_data, "--json", js, "--png", png)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[1/2] (a) single_gpu.py: running 1 epoch(s) on cpu" in proc.stderr  # a progress line per run
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| (")]
+    assert [row.split("|")[1].strip() for row in rows] == ["(a) single_gpu.py", "(c) compute floor"]
+    assert rows[0].split("|")[6].strip() == "1.00" and rows[0].split("|")[8].strip() == "50.5"  # speed-up, accuracy
+    assert "(a) single_gpu.py / (c) compute floor = " in proc.stdout
+    payload = json.loads(js.read_text())
+    assert [c["key"] for c in payload["cases"]] == ["single_gpu", "floor"] and payload["cases"][0]["accuracy"] == 0.505
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = bench("--from-json", js)
+    assert again.returncode == 0 and [x for x in again.stdout.splitlines() if x.startswith("| (")] == rows
+
+
+def test_benchmark_without_matplotlib_still_reports(tmp_path):
+    shim = tmp_path / "shim" / "matplotlib"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    saved = tmp_path / "b.json"
+    saved.write_text(json.dumps(dict(epochs=1, rounds=1, device="cpu", data_dir="d", checks=[],
+                                     environment=dict(torch="2.x", torch_threads=2, cpu_count=2),
+                                     cases=[dict(key="single_gpu", label="(a) single_gpu.py", ranks=1, best_seconds=2.0,
+                                                 samples=60000, samples_per_second=30000.0, ms_per_step=2.1,
+                                                 x_single_gpu=1.0, x_floor=None, accuracy=0.649, peak_rss_mib=800.0,
+                                                 command=["python"])])))
+    proc = bench("--from-json", saved, "--png", tmp_path / "b.png", env=dict(os.environ, PYTHONPATH=str(shim.parent)))
+    assert proc.returncode == 0 and "| (a) single_gpu.py | 1 | 2.000 |" in proc.stdout, proc.stdout + proc.stderr
+    assert "no chart" in proc.stderr and "pip install matplotlib" in proc.stderr and not (tmp_path / "b.png").exists()
+    bad = bench("--from-json", tmp_path / "missing.json")
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "is not a benchmark --json file" in bad.stderr

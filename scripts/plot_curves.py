@@ -1,0 +1,78 @@
+"""Overlay the loss and accuracy curves of several runs in one PNG, from the metrics.jsonl each chapter writes.
+
+    python single_gpu.py && python ddp_mp.py --nprocs 2 && torchrun --standalone --nproc-per-node 2 ddp_launch.py
+    python scripts/plot_curves.py runs/single_gpu runs/ddp_mp runs/ddp_launch --out curves.png
+
+With the same seed and global batch every chapter trains the same model, so the curves lie on top of each
+other; the script also prints how far each run is from the first one. Needs matplotlib (pip install matplotlib).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/ is on sys.path, not the repo root
+
+from common.errors import FatalError, run_main  # noqa: E402
+from common.metrics import read_metrics  # noqa: E402
+
+STYLES = [dict(lw=5, alpha=0.35), dict(lw=2.5, ls="--"), dict(lw=1.5, ls=":"), dict(lw=1, ls="-."), dict(lw=0.8)]
+
+
+def curves(records):
+    """(train x, train loss, epochs, test accuracy in %) of one run; x is in epochs (step / steps per epoch)."""
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    train = [r for r in records if r["kind"] == "train"]
+    if not epochs:
+        raise FatalError("a metrics.jsonl without a finished epoch (did the run stop early?)")
+    per_epoch = epochs[0]["step"] / epochs[0]["epoch"]
+    return ([r["step"] / per_epoch for r in train], [r["loss"] for r in train],
+            [r["epoch"] for r in epochs], [100 * r["test_accuracy"] for r in epochs])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="--output folders of finished runs (or their metrics.jsonl files)")
+    parser.add_argument("--out", default="curves.png", help="the PNG to write (default %(default)s)")
+    parser.add_argument("--title", default="FashionMNIST MLP, same seed and global batch")
+    args = parser.parse_args()
+    try:
+        import matplotlib
+    except ImportError:
+        raise FatalError("plot_curves.py needs matplotlib, which is not installed: pip install matplotlib") from None
+    matplotlib.use("Agg")  # a file, no window: works over ssh and in CI
+    import matplotlib.pyplot as plt
+
+    runs = {}
+    for run in args.runs:
+        try:
+            runs[Path(run).name if Path(run).is_dir() else Path(run).parent.name] = curves(read_metrics(run))
+        except FatalError as e:
+            raise FatalError(f"{run}: {e}") from None
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4), dpi=80)
+    for i, (name, (x, loss, epochs, acc)) in enumerate(runs.items()):
+        style = STYLES[i % len(STYLES)]
+        loss_ax.plot(x, loss, label=name, **style)
+        acc_ax.plot(epochs, acc, marker="o", label=name, **style)
+    loss_ax.set(xlabel="epoch", ylabel="training loss (global batch)", title="training loss")
+    acc_ax.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy (all test images)")
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(args.title)
+    fig.tight_layout()
+    fig.savefig(args.out)
+    print(f"Wrote {args.out} ({len(runs)} runs)")
+
+    (first, (_, ref_loss, _, ref_acc)), *others = runs.items()
+    for name, (_, loss, _, acc) in others:
+        if len(loss) != len(ref_loss):
+            print(f"  {name}: {len(loss)} loss points, {first} has {len(ref_loss)} (other flags?)")
+            continue
+        gap = max((abs(a - b) for a, b in zip(loss, ref_loss)), default=0.0)
+        same = "the same" if acc == ref_acc else "different"
+        print(f"  {name} vs {first}: largest loss difference {gap:.1e}, {same} test accuracy every epoch")
+
+
+if __name__ == "__main__":
+    run_main(main)
