@@ -16,12 +16,27 @@ class UsageError(FatalError):
     exit_code = 2
 
 
+def _say(line):
+    """One line on stderr in one write, so the lines of processes sharing a terminal or log do not interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _report(error, rank=None):
     """Print a FatalError as exactly one line, tagged with the rank in multi-process runs."""
     text = " ".join(str(error).split())
     if rank and not text.startswith("[rank"):
         text = f"[rank {rank}] {text}"
-    print("error:", text, file=sys.stderr, flush=True)
+    _say(f"error: {text}")
+
+
+def _stop(error, rank=None):
+    """Exit with one line for a FatalError or a lost peer; anything else is a bug, re-raised with its traceback."""
+    fatal = error if isinstance(error, FatalError) else lost_peers(error)
+    if fatal is None:
+        raise error
+    _report(fatal, rank)
+    sys.exit(fatal.exit_code)
 
 
 # The global rank of this process once it has joined a process group (set by init_distributed), else None.
@@ -53,21 +68,14 @@ def run_main(main):
 
     try:
         main()
-    except FatalError as e:
-        _report(e)
-        sys.exit(e.exit_code)
-    except RuntimeError as e:
-        lost = lost_peers(e)
-        if lost is None:
-            raise
-        _report(lost)
-        sys.exit(lost.exit_code)
+    except (FatalError, RuntimeError) as e:
+        _stop(e)
     except ProcessExitedException as e:  # an mp.spawn worker failed; spawn has already stopped the others
         if e.signal_name:
-            print(f"error: rank {e.error_index} was killed by {e.signal_name}", file=sys.stderr, flush=True)
+            _say(f"error: rank {e.error_index} was killed by {e.signal_name}")
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)  # the worker printed its own line
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr, flush=True)
+        _say("interrupted")
         sys.exit(130)
     except BrokenPipeError:  # `python single_gpu.py | head`: the reader left; stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's final flush cannot fail
@@ -78,12 +86,5 @@ def run_worker(rank, fn, *args):
     """Entry point of an mp.spawn worker: fn(rank, *args), with FatalError as one line and an exit code."""
     try:
         fn(rank, *args)
-    except FatalError as e:
-        _report(e, rank)
-        sys.exit(e.exit_code)
-    except RuntimeError as e:
-        lost = lost_peers(e)
-        if lost is None:
-            raise
-        _report(lost)
-        sys.exit(lost.exit_code)
+    except (FatalError, RuntimeError) as e:
+        _stop(e, rank)

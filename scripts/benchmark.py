@@ -478,8 +478,11 @@ def chart(results, path, title):
     ax.legend(handles=[Patch(color=c, label=k) for k, c in kinds.items()], fontsize=8, ncol=4,
               loc="upper center", bbox_to_anchor=(0.4, -0.12))
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    except OSError as e:
+        raise FatalError(f"cannot write {path}: {e.strerror}; pass another --png") from None
     print(f"Wrote {path}")
     return True
 

@@ -61,7 +61,11 @@ def main():
         ax.legend(fontsize=8)
     fig.suptitle(args.title)
     fig.tight_layout()
-    fig.savefig(args.out)
+    try:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.out)
+    except OSError as e:
+        raise FatalError(f"cannot write {args.out}: {e.strerror}; pass another --out") from None
     print(f"Wrote {args.out} ({len(runs)} runs)")
 
     (first, (_, ref_loss, _, ref_acc)), *others = runs.items()
