@@ -45,7 +45,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("first", help="a model.pth or snapshot")
     parser.add_argument("second", help="another one")
-    parser.add_argument("--atol", type=float, default=1e-4, help="largest |difference| still called equal (default %(default)g)")
+    parser.add_argument("--atol", type=float, default=1e-3, help="largest |difference| still called equal (default %(default)g)")
     args = parser.parse_args()
     if not args.atol >= 0:
         parser.error(f"--atol must be 0 or more, got {args.atol:g}")
