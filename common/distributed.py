@@ -210,6 +210,10 @@ def explain_rendezvous_error(error, init_method, rank, timeout):
     if "EADDRINUSE" in text or "ddress already in use" in text:
         return (f"port {where.rsplit(':', 1)[-1]} is busy (another job or a leftover process holds it); "
                 f"pick a free port (MASTER_PORT or --init-method tcp://HOST:OTHER_PORT) or stop the old job")
+    if "Unable to find address for" in text:  # gloo: GLOO_SOCKET_IFNAME names an interface this machine lacks
+        name = os.environ.get("GLOO_SOCKET_IFNAME", text.rsplit(":", 1)[-1].strip())
+        return (f"[rank {rank}] GLOO_SOCKET_IFNAME={name} is not a network interface of this machine; set it to "
+                f"the one on the network the ranks share (`ip -br addr` lists them), or unset it")
     if "timed out" in text.lower() or "timeout" in text.lower():
         return (f"[rank {rank}] no rendezvous at {where} within {timeout:g}s: rank 0 is not running there, "
                 f"a firewall blocks the port, the address is wrong, or fewer processes than the world size "

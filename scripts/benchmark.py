@@ -15,6 +15,10 @@ Cases (each in its own subprocess, so each has a fresh interpreter and its own p
   (g) ddp_compute  2 ranks, each stepping over its shard's pre-made slices (batch 64/2), no communication
   (h) allreduce    2 ranks, nothing but one all_reduce of the gradient's size (2.7 MB) per step
   (i) ddp_manual   2 ranks, a step written by hand: backward, then one all_reduce of all gradients
+  (j) dataparallel the real `dataparallel.py` (one process; on a CPU-only machine the plain model)
+  (k) torchrun_1   the real `ddp_launch.py` under `torchrun --standalone --nproc-per-node 1`
+  (l) tcp_2        the real `ddp_tcp_manual.py`, ranks 0 and 1 started by hand on 127.0.0.1
+  (m) tcp_1        the real `ddp_tcp_manual.py --world-size 1`
 The DDP floor is (g) + (h): what a 2-rank step costs if DDP added nothing to compute and communication.
 On a GPU the 2-rank rows need 2 GPUs and are skipped with a line otherwise.
 
@@ -301,13 +305,22 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 TORCHRUN_1 = TORCHRUN[:-1] + ["1"]
 
 
+def tcp_ranks(ws, world):
+    """Chapter 5's commands for ranks 0 .. world-1, meeting at a free port on 127.0.0.1, each with its own --output."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ranks = [chapter(PY, "ddp_tcp_manual.py", "--init-method", init, "--world-size", str(world), "--rank", str(r),
+                     "--local-rank", str(r))(ws) for r in range(world)]
+    for r, command in enumerate(ranks[1:], 1):
+        command[-1] += f"-rank{r}"  # only rank 0 writes, but keep the folders apart anyway
+    return ranks
+
+
 def tcp_pair(ws):
     """Chapter 5 as a user runs it: rank 1 started in the background, rank 0 in front (its log is the one parsed)."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    ranks = [chapter(PY, "ddp_tcp_manual.py", "--init-method", init, "--world-size", "2", "--rank", str(r),
-                     "--local-rank", str(r))(ws) for r in (1, 0)]
-    ranks[0][-1] += "-rank1"  # its own --output folder: only rank 0 writes, but keep them apart anyway
-    return ["sh", "-c", f"{shlex.join(ranks[0])} >/dev/null & {shlex.join(ranks[1])}; status=$?; wait $! && exit $status"]
+    rank0, rank1 = tcp_ranks(ws, 2)
+    return ["sh", "-c", f"{shlex.join(rank1)} >/dev/null & {shlex.join(rank0)}; status=$?; wait $! && exit $status"]
+
+
 CASES = [
     Case("single_gpu", "(a) single_gpu.py", 1, chapter(PY, "single_gpu.py"), parse_fit_log),
     Case("quickstart", "(b) quickstart", 1, quickstart_command, parse_bench_lines),
@@ -321,6 +334,7 @@ CASES = [
     Case("dataparallel", "(j) dataparallel.py", 1, chapter(PY, "dataparallel.py"), parse_fit_log),
     Case("torchrun_1", "(k) torchrun ddp_launch.py, 1 process", 1, chapter(TORCHRUN_1, "ddp_launch.py"), parse_fit_log),
     Case("tcp_2", "(l) ddp_tcp_manual.py, 2 by hand", 2, tcp_pair, parse_fit_log),
+    Case("tcp_1", "(m) ddp_tcp_manual.py, 1 rank", 1, lambda ws: tcp_ranks(ws, 1)[0], parse_fit_log),
 ]
 CASES_BY_KEY = {case.key: case for case in CASES}
 # A row that is not run but added up: the 2-rank DDP floor = (g) compute + (h) all-reduce, each measured alone.

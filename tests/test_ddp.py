@@ -185,6 +185,15 @@ def test_an_address_of_another_machine_is_refused(procs):
     _one_error_line(err, "192.0.2.1 is not an address of this machine")
 
 
+def test_wrong_interface_is_named(procs):
+    env = dict(BASE_ENV, GLOO_SOCKET_IFNAME="nosuch0")
+    p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{free_port()}",
+                     "--rank", "0", "--world-size", "1", "--timeout", "5"], env=env)
+    code, _, err = procs.wait(p, timeout=60)
+    assert code == 1
+    _one_error_line(err, "GLOO_SOCKET_IFNAME=nosuch0 is not a network interface of this machine")
+
+
 def test_leftover_rendezvous_file_is_refused(tmp_path, procs):
     stale = tmp_path / "rdzv"
     stale.write_text("old")
