@@ -74,10 +74,16 @@ def _download(root):
         return "torchvision is not installed to download it"
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(30)  # no internet should fail fast, not hang
+    made = [d for d in (root, root / "FashionMNIST", root / "FashionMNIST" / "raw") if not d.exists()]
     try:
         for train in (True, False):
             FashionMNIST(root, train=train, download=True)
     except Exception as e:  # torchvision raises RuntimeError, URLError, ... when offline
+        for folder in reversed(made):  # leave no empty data/FashionMNIST/raw behind; files that did arrive stay
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         return f"the download failed ({type(e).__name__}: {e})"
     finally:
         socket.setdefaulttimeout(previous)

@@ -48,6 +48,23 @@ def test_no_data_anywhere_names_the_fix(tmp_path, monkeypatch):
         data.locate_fashion_mnist(None)
 
 
+def test_a_failed_download_leaves_no_empty_folders(tmp_path, monkeypatch):
+    """Offline with no copy: torchvision's download fails fast (the proxy is a closed port) and data/ is not left behind."""
+    monkeypatch.setattr(data, "SYSTEM_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.delenv("FASHION_MNIST_OFFLINE", raising=False)
+    for name in ("http_proxy", "https_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.setenv("no_proxy", "")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FatalError, match="the download failed"):
+        data.locate_fashion_mnist(None)
+    assert not (tmp_path / "data").exists()
+    (tmp_path / "mine").mkdir()  # a --data-dir the user made is kept, only what the download made is removed
+    with pytest.raises(FatalError, match="the download failed"):
+        data.locate_fashion_mnist(str(tmp_path / "mine"))
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not any((tmp_path / "mine").iterdir())
+
+
 def test_truncated_idx_is_refused(tmp_path):
     path = write_idx(tmp_path / "t-idx3-ubyte", torch.zeros(4, 28, 28, dtype=torch.uint8))
     path.write_bytes(path.read_bytes()[:-100])
