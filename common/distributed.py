@@ -150,10 +150,11 @@ def slurm_env():
     if not env.get("SLURM_JOB_ID"):
         raise UsageError("this is not a SLURM job (SLURM_JOB_ID is not set): submit it with `sbatch scripts/job.sh`, "
                          "or run `srun python ddp_slurm.py` inside an allocation")
-    missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST")
+    # SLURM_STEP_ID is set in an srun step only: without it this is the batch script itself, not one of its tasks.
+    missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_STEP_ID")
                if not env.get(name)]
-    if missing or "SLURM_STEP_ID" not in env:
-        raise UsageError(f"{'/'.join(missing) or 'SLURM_STEP_ID'} not set: start one task per GPU with "
+    if missing:
+        raise UsageError(f"{'/'.join(missing)} not set: start one task per GPU with "
                          f"`srun python ddp_slurm.py` (as scripts/job.sh does), not plain python inside the job")
     try:
         rank, world_size, local_rank = (int(env[name]) for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
@@ -262,7 +263,7 @@ def _rendezvous_store(init_method, rank, world_size, timeout):
         host, port = os.environ.get("MASTER_ADDR", "localhost"), int(os.environ.get("MASTER_PORT", "29500"))
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's agent serves the store for the whole job and keeps it across --max-restarts, and
-            # recent torch (2.15 here) adds no per-attempt prefix. Restarted workers then find the dead workers'
+            # recent torch (2.14 and 2.15 here) adds no per-attempt prefix. Restarted workers then find the dead workers'
             # gloo/NCCL addresses still there and may dial those instead of their new peers ("Connect timeout",
             # every other restart here). A prefix per restart gives each attempt clean keys, as older torch did.
             agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)

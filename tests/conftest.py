@@ -84,7 +84,7 @@ def _restore_environ():
 
 def run_script(script, *args, cwd=None, env=None, timeout=600):
     """Run an entry script as a user would (its own process), returning the CompletedProcess."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", **(env or {}))
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FASHION_MNIST_OFFLINE": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(REPO / script), *map(str, args)],
         cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout,

@@ -4,18 +4,26 @@ Commands are README's ```bash lines and RUN.md's `$ ` lines. Each document's com
 scratch folder that links to the scripts (later commands use what earlier ones wrote: runs/..., snapshots),
 with the training scripts on a small slice of the real data, and port 29500 swapped for a free one. A command
 must end with the exit status RUN.md shows for it (`[exit status N]`), or 0.
+
+The README's troubleshooting messages are real too: each one is made to happen (MAKE_IT_PRINT) and must start a
+line the script prints, with `...` standing for the parts that vary.
 """
 import os
-import sys
 import re
 import shutil
+import socket
 import subprocess
+import sys
+import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.distributed import free_port
-from conftest import REPO
+from common.model import NeuralNetwork
+from conftest import REPO, make_fake_fashion_mnist, run_script
 from test_ddp import BASE_ENV
 
 # (pattern, reason): commands that are not run here, and why. A doc command must match one, or run.
@@ -112,3 +120,147 @@ def test_doc_commands_run(doc, real_data, workspace):
         assert "Traceback" not in proc.stderr, f"{doc}: `{command}`\n{proc.stderr[-3000:]}"
         ran += 1
     assert ran >= 8
+
+
+# ---- "When something is wrong": every message the README shows is one the scripts really print ----
+
+def troubleshooting_messages():
+    """The messages in README's "When something is wrong" section: its examples and each row's first column."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## When something is wrong\n", 1)[1].split("\n## ", 1)[0]
+    found = []
+    for line in section.splitlines():
+        cells = line.split(" | ")
+        spans = re.findall(r"``\s?(.+?)\s?``|`([^`]+)`", cells[0] if line.startswith("| `") else line)
+        found += [a or b for a, b in spans if "error:" in (a or b)]
+    return found
+
+
+def message_pattern(shown):
+    """A README message as a regex for the start of a real stderr line: `...` is any text, a number any number."""
+    rx = ".*".join(re.escape(part) for part in re.split(r"\s*\.\.\.\s*", shown))  # "at ... :" or "set ..." alike
+    return re.compile(re.sub(r"\d+", r"\\d+", rx))
+
+
+def _fake_data(tmp, gz=True):
+    make_fake_fashion_mnist(tmp / "fmnist", gz=gz)
+    return tmp / "fmnist"
+
+
+def _damaged(tmp, how):
+    """Fake data with the training labels cut short (raw IDX files) or replaced by a .gz that is no gzip file."""
+    folder = _fake_data(tmp, gz=how != "truncated")
+    labels = next((folder / "FashionMNIST" / "raw").glob("train-labels-idx1-ubyte*"))
+    labels.write_bytes(labels.read_bytes()[:-10] if how == "truncated" else b"not gzip at all")
+    return ("single_gpu.py", ["--data-dir", folder], {})
+
+
+def _snapshot_run(tmp, make, *flags):
+    """single_gpu.py on fake data resuming from a snapshot made by make(path), with flags."""
+    snap, data = tmp / "snap.pt", _fake_data(tmp)
+    make(snap, data)
+    return ("single_gpu.py", ["--data-dir", data, "--output", tmp / "run", "--snapshot", snap, *flags], {})
+
+
+def _real_snapshot(path, data):
+    """A real snapshot: 3 epochs at global batch 48."""
+    proc = run_script("single_gpu.py", "--data-dir", data, "--output", path.parent / "made", "--snapshot", path,
+                      "--batch-size", "48", "--epochs", "3")
+    assert proc.returncode == 0, proc.stderr
+
+
+def _weights_file(path, data):
+    """A model.pth where a snapshot should be."""
+    torch.save(NeuralNetwork().state_dict(), path)
+
+
+def _held_port(stack):
+    busy = stack.enter_context(socket.socket())
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    return busy.getsockname()[1]
+
+
+def _stale_rendezvous_file(tmp):
+    stale = tmp / "rdzv"
+    stale.write_text("old")
+    os.utime(stale, (time.time() - 3600,) * 2)
+    return stale
+
+
+def _tcp(init, rank=0, world=2):
+    return ["--init-method", init, "--rank", str(rank), "--world-size", str(world), "--timeout", "2"]
+
+
+SLURM_RANK0_OF_2 = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
+                        SLURM_JOB_NODELIST="localhost")
+NO_PROXY = dict(http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9", no_proxy="", NO_PROXY="")
+
+# A README message (a piece of it) -> how to make a script print it: fn(tmp, stack) -> (script, args, extra env),
+# or the test that provokes it (a killed peer, a full disk, a SLURM job: too slow or too special to repeat here).
+MAKE_IT_PRINT = {
+    "argument --epochs: must be a positive integer": lambda tmp, stack: ("single_gpu.py", ["--epochs", "0"], {}),
+    "--device cuda but no GPU": lambda tmp, stack: ("single_gpu.py", ["--device", "cuda"], dict(CUDA_VISIBLE_DEVICES="")),
+    # No copy anywhere, and a download that fails fast: the proxy is a closed port.
+    "FashionMNIST not found in": lambda tmp, stack: ("single_gpu.py", [], dict(
+        NO_PROXY, FASHION_MNIST_OFFLINE="", FASHION_MNIST_SYSTEM_DIR=str(tmp / "nowhere"))),
+    "is not a readable folder": lambda tmp, stack: ("single_gpu.py", ["--data-dir", tmp / "typo"], {}),
+    "is truncated or has extra bytes": lambda tmp, stack: _damaged(tmp, "truncated"),
+    "error: cannot read": lambda tmp, stack: _damaged(tmp, "not-gzip"),
+    "cannot create folder": lambda tmp, stack: ("single_gpu.py", ["--output", "/proc/no/such/folder"], {}),
+    "is not writable": "tests/test_faults.py",
+    "[rank 1] no rendezvous at": lambda tmp, stack: (
+        "ddp_tcp_manual.py", _tcp(f"tcp://127.0.0.1:{free_port()}", rank=1), {}),
+    "GLOO_SOCKET_IFNAME=": lambda tmp, stack: (
+        "ddp_tcp_manual.py", _tcp(f"tcp://127.0.0.1:{free_port()}", world=1), dict(GLOO_SOCKET_IFNAME="eth99")),
+    "is busy": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp(f"tcp://127.0.0.1:{_held_port(stack)}"), {}),
+    "must split evenly over 3 ranks": lambda tmp, stack: ("ddp_mp.py", ["--nprocs", "3"], {}),
+    "must be below --world-size": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp("tcp://127.0.0.1:1", rank=2), {}),
+    "is left over from an earlier run": lambda tmp, stack: (
+        "ddp_tcp_manual.py", _tcp(f"file://{_stale_rendezvous_file(tmp)}"), {}),
+    "is not an address of this machine": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp("tcp://192.0.2.1:29500"), {}),
+    "lost contact with the other ranks": "tests/test_faults.py",
+    "cannot be read": lambda tmp, stack: _snapshot_run(tmp, lambda snap, data: snap.write_bytes(b"half a zip")),
+    "is not a snapshot of this tutorial": lambda tmp, stack: _snapshot_run(tmp, _weights_file),
+    "was made with --batch-size": lambda tmp, stack: _snapshot_run(tmp, _real_snapshot, "--batch-size", "64"),
+    "epochs done, more than --epochs": lambda tmp, stack: _snapshot_run(
+        tmp, _real_snapshot, "--batch-size", "48", "--epochs", "2"),
+    "No space left on device": "tests/test_faults.py",
+    "RANK/LOCAL_RANK/WORLD_SIZE are not set": lambda tmp, stack: ("ddp_launch.py", [], {}),
+    "this is not a SLURM job": lambda tmp, stack: ("ddp_slurm.py", [], dict(SLURM_JOB_ID="")),
+    "SLURM_STEP_ID not set": lambda tmp, stack: ("ddp_slurm.py", [], dict(SLURM_RANK0_OF_2, SLURM_STEP_ID="")),
+    "does not resolve here": lambda tmp, stack: (
+        "ddp_slurm.py", [], dict(SLURM_RANK0_OF_2, SLURM_JOB_NODELIST="gpu01")),
+    # Rank 0 of a 2-task job whose second task never comes (the cluster test submits the real thing).
+    "[rank 0] no rendezvous at": lambda tmp, stack: (
+        "ddp_slurm.py", ["--timeout", "2"], dict(SLURM_RANK0_OF_2, MASTER_PORT=str(free_port()))),
+}
+
+
+def test_every_troubleshooting_message_has_a_way_to_print_it():
+    """Each message the README shows is matched by exactly one entry above, and every entry by a message."""
+    shown = troubleshooting_messages()
+    assert len(shown) >= 20
+    for message in shown:
+        keys = [key for key in MAKE_IT_PRINT if key in message]
+        assert len(keys) == 1, f"README message {message!r} is matched by {keys} in MAKE_IT_PRINT"
+        assert message.startswith("error:") or re.match(r"\w+\.py: error: ", message), message
+    for key in MAKE_IT_PRINT:
+        assert any(key in message for message in shown), f"no README message contains {key!r} any more"
+
+
+@pytest.mark.parametrize("message", troubleshooting_messages())
+def test_troubleshooting_message_is_what_the_script_prints(message, tmp_path):
+    """The README's message, with `...` for the parts that vary, starts a line the script really writes to stderr."""
+    (key,) = [key for key in MAKE_IT_PRINT if key in message]
+    how = MAKE_IT_PRINT[key]
+    if isinstance(how, str):  # provoked by a slower test: it asserts the same words
+        assert key in (REPO / how).read_text(), f"{how} no longer checks {key!r}"
+        return
+    with ExitStack() as stack:
+        script, args, env = how(tmp_path, stack)
+        proc = run_script(script, *args, cwd=tmp_path, env=env, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and message_pattern(message).match(errors[0]), \
+        f"README shows\n  {message}\nthe script printed\n  {chr(10).join(errors) or proc.stderr}"
