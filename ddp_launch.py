@@ -7,6 +7,8 @@
     torchrun --nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 ddp_launch.py
     # or let the nodes find each other through a c10d rendezvous (same command on every node):
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job1 ddp_launch.py
+    # elastic: if a worker dies, torchrun restarts the whole group (up to 3 times); --snapshot lets it resume
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 ddp_launch.py --snapshot runs/snap-ddp.pt
 
 torchrun sets RANK (global), LOCAL_RANK (index on this node, picks the GPU), WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; `init_method="env://"` reads them. No --local_rank argument, no hard-coded addresses.
