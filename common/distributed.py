@@ -151,8 +151,8 @@ def slurm_env():
         raise UsageError("this is not a SLURM job (SLURM_JOB_ID is not set): submit it with `sbatch scripts/job.sh`, "
                          "or run `srun python ddp_slurm.py` inside an allocation")
     # SLURM_STEP_ID is set in an srun step only: without it this is the batch script itself, not one of its tasks.
-    missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_STEP_ID")
-               if not env.get(name)]
+    needed = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_STEP_ID")
+    missing = [name for name in needed if not env.get(name)]
     if missing:
         raise UsageError(f"{'/'.join(missing)} not set: start one task per GPU with "
                          f"`srun python ddp_slurm.py` (as scripts/job.sh does), not plain python inside the job")
@@ -262,8 +262,8 @@ def _rendezvous_store(init_method, rank, world_size, timeout):
     if init_method == "env://":
         host, port = os.environ.get("MASTER_ADDR", "localhost"), int(os.environ.get("MASTER_PORT", "29500"))
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun's agent serves the store for the whole job and keeps it across --max-restarts, and
-            # recent torch (2.14 and 2.15 here) adds no per-attempt prefix. Restarted workers then find the dead workers'
+            # torchrun's agent serves the store for the whole job and keeps it across --max-restarts, and recent
+            # torch (2.14 and 2.15 here) adds no per-attempt prefix. Restarted workers then find the dead workers'
             # gloo/NCCL addresses still there and may dial those instead of their new peers ("Connect timeout",
             # every other restart here). A prefix per restart gives each attempt clean keys, as older torch did.
             agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)

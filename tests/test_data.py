@@ -49,12 +49,13 @@ def test_no_data_anywhere_names_the_fix(tmp_path, monkeypatch):
 
 
 def test_a_failed_download_leaves_no_empty_folders(tmp_path, monkeypatch):
-    """Offline with no copy: torchvision's download fails fast (the proxy is a closed port) and data/ is not left behind."""
+    """No copy anywhere and a download that fails fast (the proxy is a closed port): data/ is not left behind."""
     monkeypatch.setattr(data, "SYSTEM_DIR", str(tmp_path / "nowhere"))
     monkeypatch.delenv("FASHION_MNIST_OFFLINE", raising=False)
     for name in ("http_proxy", "https_proxy"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")
-    monkeypatch.setenv("no_proxy", "")
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FatalError, match="the download failed"):
         data.locate_fashion_mnist(None)
