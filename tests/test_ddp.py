@@ -12,7 +12,7 @@ import pytest
 
 from common.distributed import free_port
 from common.metrics import read_metrics
-from conftest import REPO, assert_same_curves, load_state, max_abs_diff, run_script, slice_args
+from conftest import REPO, assert_same_curves, load_state, max_abs_diff, slice_args
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", OMP_NUM_THREADS="1")
 
@@ -194,10 +194,16 @@ def test_wrong_interface_is_named(procs):
     _one_error_line(err, "GLOO_SOCKET_IFNAME=nosuch0 is not a network interface of this machine")
 
 
-def test_leftover_rendezvous_file_is_refused(tmp_path, procs):
-    stale = tmp_path / "rdzv"
+def stale_rendezvous_file(folder):
+    """A file:// rendezvous file left by a run an hour ago."""
+    stale = folder / "rdzv"
     stale.write_text("old")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    return stale
+
+
+def test_leftover_rendezvous_file_is_refused(tmp_path, procs):
+    stale = stale_rendezvous_file(tmp_path)
     p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"file://{stale}",
                      "--rank", "0", "--world-size", "2", "--timeout", "5"])
     code, _, err = procs.wait(p, timeout=60)

@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -24,7 +23,8 @@ import torch
 from common.distributed import free_port
 from common.model import NeuralNetwork
 from conftest import REPO, make_fake_fashion_mnist, run_script
-from test_ddp import BASE_ENV
+from test_ddp import BASE_ENV, stale_rendezvous_file
+from test_faults import SLURM_ENV  # rank 0 of a 2-task job on localhost
 
 # (pattern, reason): commands that are not run here, and why. A doc command must match one, or run.
 NOT_RUN_HERE = [
@@ -181,19 +181,10 @@ def _held_port(stack):
     return busy.getsockname()[1]
 
 
-def _stale_rendezvous_file(tmp):
-    stale = tmp / "rdzv"
-    stale.write_text("old")
-    os.utime(stale, (time.time() - 3600,) * 2)
-    return stale
-
-
 def _tcp(init, rank=0, world=2):
     return ["--init-method", init, "--rank", str(rank), "--world-size", str(world), "--timeout", "2"]
 
 
-SLURM_RANK0_OF_2 = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
-                        SLURM_JOB_NODELIST="localhost")
 NO_PROXY = dict(http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9", no_proxy="", NO_PROXY="")
 
 # A README message (a piece of it) -> how to make a script print it: fn(tmp, stack) -> (script, args, extra env),
@@ -217,7 +208,7 @@ MAKE_IT_PRINT = {
     "must split evenly over 3 ranks": lambda tmp, stack: ("ddp_mp.py", ["--nprocs", "3"], {}),
     "must be below --world-size": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp("tcp://127.0.0.1:1", rank=2), {}),
     "is left over from an earlier run": lambda tmp, stack: (
-        "ddp_tcp_manual.py", _tcp(f"file://{_stale_rendezvous_file(tmp)}"), {}),
+        "ddp_tcp_manual.py", _tcp(f"file://{stale_rendezvous_file(tmp)}"), {}),
     "is not an address of this machine": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp("tcp://192.0.2.1:29500"), {}),
     "lost contact with the other ranks": "tests/test_faults.py",
     "cannot be read": lambda tmp, stack: _snapshot_run(tmp, lambda snap, data: snap.write_bytes(b"half a zip")),
@@ -228,12 +219,12 @@ MAKE_IT_PRINT = {
     "No space left on device": "tests/test_faults.py",
     "RANK/LOCAL_RANK/WORLD_SIZE are not set": lambda tmp, stack: ("ddp_launch.py", [], {}),
     "this is not a SLURM job": lambda tmp, stack: ("ddp_slurm.py", [], dict(SLURM_JOB_ID="")),
-    "SLURM_STEP_ID not set": lambda tmp, stack: ("ddp_slurm.py", [], dict(SLURM_RANK0_OF_2, SLURM_STEP_ID="")),
+    "SLURM_STEP_ID not set": lambda tmp, stack: ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_STEP_ID="")),
     "does not resolve here": lambda tmp, stack: (
-        "ddp_slurm.py", [], dict(SLURM_RANK0_OF_2, SLURM_JOB_NODELIST="gpu01")),
+        "ddp_slurm.py", [], dict(SLURM_ENV, SLURM_JOB_NODELIST="gpu01")),
     # Rank 0 of a 2-task job whose second task never comes (the cluster test submits the real thing).
     "[rank 0] no rendezvous at": lambda tmp, stack: (
-        "ddp_slurm.py", ["--timeout", "2"], dict(SLURM_RANK0_OF_2, MASTER_PORT=str(free_port()))),
+        "ddp_slurm.py", ["--timeout", "2"], dict(SLURM_ENV, MASTER_PORT=str(free_port()))),
 }
 
 
