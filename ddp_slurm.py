@@ -9,52 +9,82 @@ SLURM_PROCID is the global rank, SLURM_NTASKS the world size, SLURM_LOCALID the 
 The master is the first host of SLURM_JOB_NODELIST, on a port derived from SLURM_JOB_ID (MASTER_ADDR and
 MASTER_PORT override them), so every task computes the same tcp:// address without talking to the others.
 """
+import os
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from common.checkpoint import prepare_output, save_weights
+from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.config import parse_config
 from common.data import ShardSampler, load_fashion_mnist, make_loader
-from common.distributed import cleanup, init_distributed, print0, slurm_env
-from common.engine import fit
+from common.engine import evaluate, train_one_epoch
 from common.errors import run_main
+from common.metrics import MetricsLog
 from common.model import NeuralNetwork
+from common.ranks import DistContext, check_global_batch, check_rendezvous, print0, rank_device, share_machine
+from common.slurm import check_srun_task, slurm_master
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
-    print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {ctx.backend}")
+    print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
+    share_machine(ctx)  # each rank prints its line; CPU ranks on one machine split its cores
     output = prepare_output(cfg.output)
 
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
-    # Each rank takes every world_size-th item of the same seeded permutation, batch_size / world_size at a time.
+    # Each rank takes every world_size-th image of chapter 1's shuffle, batch_size / world_size at a time, so
+    # the ranks' k-th batches together are chapter 1's k-th batch. Each rank tests a disjoint shard.
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = make_loader(train_set, cfg.batch_size // ctx.world_size, train_sampler)
     test_loader = make_loader(test_set, 1000, ShardSampler(test_set, ctx.rank, ctx.world_size))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
-    # One bucket for the whole 2.7 MB gradient: one all-reduce per step (measured faster than DDP's default two).
-    model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=4)
+    # DDP copies rank 0's weights to every rank, then averages the gradients over all ranks in each backward().
+    model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
 
-    fit(model, train_loader, test_loader, optimizer, cfg, ctx)
+    first_epoch = load_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
+    metrics = MetricsLog(output, ctx, first_epoch)
+    for epoch in range(first_epoch, cfg.epochs):
+        print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
+        train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch (without it, every epoch is epoch 0's)
+        train_one_epoch(model, train_loader, optimizer, epoch, cfg, ctx, metrics)
+        evaluate(model, test_loader, epoch, ctx, metrics)
+        save_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+    print0(ctx, "Done!")
 
-    save_weights(model, output / "model.pth", ctx)  # rank 0 saves model.module: no `module.` prefix
+    if ctx.is_main:  # one copy: rank 0 saves model.module, the plain model inside DDP (no `module.` prefix)
+        save_weights(model.module, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
 
 
 def main():
     cfg = parse_config(description=__doc__)
-    rank, local_rank, world_size, init_method = slurm_env()
-    ctx = init_distributed(cfg, rank=rank, local_rank=local_rank, world_size=world_size, init_method=init_method)
+    check_srun_task()  # one clear line when this is not a task that srun started
+    rank = int(os.environ["SLURM_PROCID"])  # global: 0 .. world_size - 1 over all nodes; rank 0 prints and saves
+    local_rank = int(os.environ["SLURM_LOCALID"])  # this task's index on its node: it picks the GPU
+    world_size = int(os.environ["SLURM_NTASKS"])  # tasks over all nodes
+    check_global_batch(cfg.batch_size, world_size)
+    device = rank_device(cfg.device, local_rank)  # cuda:<local_rank>, or the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    # Every task computes the same address by itself: the job's first node, on a port from the job id.
+    master_addr, master_port = slurm_master()
+    init_method = f"tcp://{master_addr}:{master_port}"
+    check_rendezvous(init_method, rank, cfg.timeout)  # no rank 0 after --timeout: one line
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
     try:
         train(cfg, ctx)
     finally:
-        cleanup(ctx)
+        dist.destroy_process_group()  # leave the group, after an error too: the others then stop at once
 
 
 if __name__ == "__main__":

@@ -7,14 +7,16 @@
 Every later chapter is this file plus the lines its strategy needs: `diff single_gpu.py ddp_mp.py`.
 """
 import torch
+from torch.utils.data import DistributedSampler
 
-from common.checkpoint import prepare_output, save_weights
+from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.config import parse_config
-from common.data import SeededSampler, ShardSampler, load_fashion_mnist, make_loader
-from common.distributed import print0, single_process
-from common.engine import fit
+from common.data import ShardSampler, load_fashion_mnist, make_loader
+from common.engine import evaluate, train_one_epoch
 from common.errors import run_main
+from common.metrics import MetricsLog
 from common.model import NeuralNetwork
+from common.ranks import DistContext, choose_device, print0
 
 
 def train(cfg, ctx):
@@ -24,7 +26,9 @@ def train(cfg, ctx):
 
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
-    train_sampler = SeededSampler(train_set, seed=cfg.seed)
+    # A seeded shuffle, new each epoch: DistributedSampler with one replica. The DDP chapters give it more
+    # replicas, and the union of their k-th batches is this k-th batch: that is why they train the same model.
+    train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
     train_loader = make_loader(train_set, cfg.batch_size, train_sampler)
     test_loader = make_loader(test_set, 1000, ShardSampler(test_set))
 
@@ -33,16 +37,26 @@ def train(cfg, ctx):
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
 
-    fit(model, train_loader, test_loader, optimizer, cfg, ctx)
+    first_epoch = load_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
+    metrics = MetricsLog(output, ctx, first_epoch)
+    for epoch in range(first_epoch, cfg.epochs):
+        print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
+        train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
+        train_one_epoch(model, train_loader, optimizer, epoch, cfg, ctx, metrics)
+        evaluate(model, test_loader, epoch, ctx, metrics)
+        save_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+    print0(ctx, "Done!")
 
-    save_weights(model, output / "model.pth", ctx)
+    save_weights(model, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
 
 
 def main():
     cfg = parse_config(description=__doc__)
-    ctx = single_process(cfg)
-    train(cfg, ctx)
+    device = choose_device(cfg.device)  # --device, else the GPU if one is visible, else the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    train(cfg, DistContext(device=device))
 
 
 if __name__ == "__main__":

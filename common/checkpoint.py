@@ -6,18 +6,13 @@ from pathlib import Path
 
 import torch
 
-from common.distributed import all_reduce_sum, print0
+from common.ranks import all_reduce_sum, print0
 from common.errors import FatalError
 
-SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v1"
+SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v2"
 # The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones.
 # The world size, device, data folder and --epochs may change: the same global batch trains the same model.
 TRAJECTORY_FLAGS = ("batch_size", "lr", "seed", "train_samples")
-
-
-def unwrap(model):
-    """The plain model inside DataParallel or DDP (their state_dict keys start with `module.`)."""
-    return getattr(model, "module", model)
 
 
 def prepare_output(folder, flag="--output"):
@@ -56,10 +51,9 @@ def atomic_save(obj, path):
                          f"(--output / --snapshot)") from None
 
 
-def save_weights(model, path, ctx):
-    """Global rank 0 writes the unwrapped model's state_dict (loads into a plain NeuralNetwork anywhere)."""
-    if ctx.is_main:
-        atomic_save(unwrap(model).state_dict(), path)
+def save_weights(model, path):
+    """Write a model's state_dict atomically; pass the plain model (DDP's model.module), so keys have no `module.`."""
+    atomic_save(model.state_dict(), path)
 
 
 def load_weights(path, map_location="cpu"):
@@ -77,24 +71,20 @@ def load_weights(path, map_location="cpu"):
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def save_snapshot(model, optimizer, epochs_done, history, cfg, ctx):
-    """Global rank 0 writes everything a run needs to continue; every rank waits until it is on disk.
+def save_snapshot(model, optimizer, epochs_done, cfg, ctx):
+    """With --snapshot, every --save-every epochs and after the last: rank 0 writes one, every rank waits for it.
 
-    The barrier is a sum of "written" flags, so when rank 0 cannot write (full disk, read-only folder) all
-    ranks stop with an error instead of training on without a snapshot. The data order needs no state of its
-    own: each epoch's shuffle is drawn from seed + epoch, so the epoch to start from is enough.
+    The wait is a sum of "written" flags, so when rank 0 cannot write (full disk, read-only folder) all ranks
+    stop with an error instead of training on without a snapshot. The data order needs no state of its own:
+    each epoch's shuffle is drawn from seed + epoch, so the number of epochs done is enough.
     """
+    if not cfg.snapshot or (epochs_done % cfg.save_every and epochs_done != cfg.epochs):
+        return
     error = None
     if ctx.is_main:
-        snapshot = dict(
-            format=SNAPSHOT_FORMAT,
-            epochs_done=epochs_done,
-            model=unwrap(model).state_dict(),
-            optimizer=optimizer.state_dict(),
-            rng=torch.get_rng_state(),
-            config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS},
-            history=history,
-        )
+        snapshot = dict(format=SNAPSHOT_FORMAT, epochs_done=epochs_done,
+                        model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
+                        optimizer=optimizer.state_dict(), config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS})
         try:
             atomic_save(snapshot, cfg.snapshot)
         except FatalError as e:
@@ -111,11 +101,13 @@ def _flag_text(name, value):
 
 
 def load_snapshot(model, optimizer, cfg, ctx):
-    """Continue from cfg.snapshot if it exists: returns (epochs already done, their history), else (0, [])."""
+    """With --snapshot FILE and FILE there: load it into model and optimizer, return the epochs it holds; else 0."""
+    if not cfg.snapshot:
+        return 0
     path = Path(cfg.snapshot)
     prepare_output(path.parent, "--snapshot")  # fail now, not after the first epoch
     if not path.exists():
-        return 0, []
+        return 0
     fix = "delete it to start afresh, or pass another --snapshot"
     try:
         # weights_only: tensors and plain containers only, no pickled code. map_location: straight onto this
@@ -134,7 +126,7 @@ def load_snapshot(model, optimizer, cfg, ctx):
         raise FatalError(f"snapshot {path} was made with {theirs}, this run has {ours}; resume with the "
                          f"snapshot's flags, or {fix}")
     try:
-        unwrap(model).load_state_dict(snapshot["model"])
+        getattr(model, "module", model).load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:
         reason = str(e).strip().splitlines()[0]
@@ -143,7 +135,6 @@ def load_snapshot(model, optimizer, cfg, ctx):
     if epochs_done > cfg.epochs:
         raise FatalError(f"snapshot {path} has {epochs_done} epochs done, more than --epochs {cfg.epochs}; pass "
                          f"--epochs {epochs_done} or more, or {fix}")
-    torch.set_rng_state(snapshot["rng"].cpu())
     left = f"continuing with epoch {epochs_done + 1}" if epochs_done < cfg.epochs else "nothing left to train"
     print0(ctx, f"Resuming from {path}: {epochs_done} of {cfg.epochs} epochs done, {left}")
-    return epochs_done, snapshot["history"]
+    return epochs_done

@@ -1,7 +1,11 @@
-"""One way to stop: a clear line on stderr and a non-zero exit, never a traceback for a problem the user can fix."""
+"""One way to stop: one line on stderr and a non-zero exit; the traceback is one variable away (FULL_TRACEBACK=1)."""
+import functools
 import os
 import re
 import sys
+import traceback
+
+TRACEBACK_VARIABLE = "FULL_TRACEBACK"
 
 
 class FatalError(Exception):
@@ -11,9 +15,80 @@ class FatalError(Exception):
 
 
 class UsageError(FatalError):
-    """A flag that cannot work (found after argparse, e.g. a batch that does not split over the ranks): exit 2."""
+    """A flag or launch that cannot work (e.g. a batch that does not split over the ranks): exit 2."""
 
     exit_code = 2
+
+
+_rank = None  # this process's global rank in a multi-process run (DistContext sets it), for the [rank N] prefix
+
+
+def this_process_is(rank):
+    """Remember this process's rank, so its error lines start with [rank N]; None in a one-process run."""
+    global _rank
+    _rank = rank
+
+
+def _seconds(ms):
+    return f"{int(ms) / 1000:g}s"
+
+
+NO_RANK0 = ("rank 0 is not running there, a firewall blocks the port, or the address is wrong. Start rank 0, check "
+            "the address and port, and set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches it")
+MISSING_PEERS = ("start every rank, with the same address and world size; a firewall between the machines, or "
+                 "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the wrong interface, keeps them apart too")
+
+
+def _busy_port(m, text):
+    port = re.search(r"port: (\d+)", text)
+    return (f"port {port[1] if port else '?'} is busy (another job or a leftover process holds it); pick a free "
+            f"port (MASTER_PORT, --init-method tcp://HOST:OTHER_PORT) or stop the old job")
+
+
+# torch's own messages (seen on torch 2.14.1), each recognised by its words and explained in one line.
+_EXPLAINED = [
+    (r"EADDRINUSE|ddress already in use", _busy_port),
+    (r"Unable to find address for: ?(\S+)", lambda m, text: (
+        f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', m[1])} is not a network interface of this "
+        f"machine; set it to the one on the network the ranks share (`ip -br addr` lists them), or unset it")),
+    (r"timed out after (\d+)ms while trying to connect to \((.+), (\d+)\)", lambda m, text: (
+        f"no rendezvous at {m[2]}:{m[3]} within {_seconds(m[1])}: {NO_RANK0}")),
+    (r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", lambda m, text: (
+        f"only {m[2]} of {m[3]} processes reached the rendezvous within {m[1]}s: {MISSING_PEERS}")),
+    # NCCL: two ranks of one machine were given the same GPU.
+    (r"Duplicate GPU detected ?: rank (\d+) and rank (\d+) both on CUDA device (\w+)", lambda m, text: (
+        f"ranks {m[1]} and {m[2]} are on the same GPU, and NCCL needs one GPU per rank: start at most one process "
+        f"per visible GPU on each machine and give each its own local rank")),
+    # gloo, once the group is up: the peer's end of the connection was closed (its process died).
+    (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m, text: (
+        f"lost contact with the other ranks ({_first_line(text)}): another rank died (see its log), or the "
+        f"network between them failed")),
+    # gloo, once the group is up: a peer stopped answering but kept its connection (stopped, hung, or elsewhere).
+    (r"Timed out waiting (\d+)ms for (?:recv|send) operation", lambda m, text: (
+        f"no answer from another rank within --timeout ({_seconds(m[1])}): one of them is stopped or stuck "
+        f"(see its log), or the network between them stalled")),
+]
+
+
+def _first_line(text):
+    """The first line of an exception's text, without gloo's "[.../pair.cc:545]" source prefix."""
+    line = next((x for x in str(text).strip().splitlines() if x.strip()), "")
+    return re.sub(r"^\[[^\]]*\]\s*", "", line).split(". This is typically")[0].strip()
+
+
+def explain(error):
+    """The one line for an exception: its explanation where recognised, else its own first line and the hint."""
+    if isinstance(error, FatalError):
+        return " ".join(str(error).split())
+    text = str(error)
+    for pattern, say in _EXPLAINED:
+        match = re.search(pattern, text)
+        if match:
+            return say(match, text)
+    if re.fullmatch(r"Wait timeout|Socket Timeout", text.strip()):  # a store's wait ran out: a peer never came
+        return f"not every rank reached the rendezvous within --timeout: {MISSING_PEERS}"
+    return (f"{type(error).__name__}: {_first_line(text) or '(no message)'} "
+            f"({TRACEBACK_VARIABLE}=1 shows the traceback)")
 
 
 def _say(line):
@@ -22,69 +97,46 @@ def _say(line):
     sys.stderr.flush()
 
 
-def _report(error, rank=None):
-    """Print a FatalError as exactly one line, tagged with the rank in multi-process runs."""
-    text = " ".join(str(error).split())
-    if rank and not text.startswith("[rank"):
-        text = f"[rank {rank}] {text}"
-    _say(f"error: {text}")
+def stop(error, rank=None):
+    """Print the error as one line (tagged [rank N] in multi-process runs) and exit with its code."""
+    if os.environ.get(TRACEBACK_VARIABLE):
+        traceback.print_exception(error)
+    rank = _rank if rank is None else rank
+    line = explain(error)
+    if rank is not None and not line.startswith("[rank"):
+        line = f"[rank {rank}] {line}"
+    _say(f"error: {line}")
+    sys.exit(getattr(error, "exit_code", 1))
 
 
-def _stop(error, rank=None):
-    """Exit with one line for a FatalError or a lost peer; anything else is a bug, re-raised with its traceback."""
-    fatal = error if isinstance(error, FatalError) else lost_peers(error)
-    if fatal is None:
-        raise error
-    _report(fatal, rank)
-    sys.exit(fatal.exit_code)
+def one_line_errors(fn):
+    """Decorator for an mp.spawn worker fn(rank, ...): an exception becomes one line and exit 1 (or 2)."""
 
+    @functools.wraps(fn)
+    def worker(rank, *args):
+        try:
+            fn(rank, *args)
+        except Exception as e:
+            stop(e, rank)
 
-# The global rank of this process once it has joined a process group (set by init_distributed), else None.
-_group_rank = None
-
-# Words in the errors gloo and NCCL raise when a peer is gone or silent (the process was killed, the network dropped).
-_PEER_LOST = re.compile(r"gloo|nccl|connection|timed out|socket|peer", re.IGNORECASE)
-
-
-def joined_group(rank):
-    """Called once this process is in a process group: from now on a failed collective is explained, not traced."""
-    global _group_rank
-    _group_rank = rank
-
-
-def lost_peers(error):
-    """A collective that failed because another rank died or stalled, as one FatalError line; else None."""
-    if _group_rank is None or not _PEER_LOST.search(str(error)):
-        return None
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip())  # drop gloo's "[.../pair.cc:545]" prefix
-    reason = reason.split(". This is typically")[0][:200]
-    return FatalError(f"[rank {_group_rank}] lost contact with the other ranks ({reason}): another rank died or was "
-                      f"stopped (see its log), or the network between them failed")
+    return worker
 
 
 def run_main(main):
-    """Run an entry script's main(): FatalError becomes one line and its exit code, Ctrl-C exit 130."""
+    """Run an entry script's main(): any exception is one line and a non-zero exit; Ctrl-C exits 130."""
     from torch.multiprocessing import ProcessExitedException
 
     try:
         main()
-    except (FatalError, RuntimeError) as e:
-        _stop(e)
     except ProcessExitedException as e:  # an mp.spawn worker failed; spawn has already stopped the others
         if e.signal_name:
             _say(f"error: rank {e.error_index} was killed by {e.signal_name}")
-        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)  # the worker printed its own line
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)  # else the worker printed its own line
     except KeyboardInterrupt:
         _say("interrupted")
         sys.exit(130)
     except BrokenPipeError:  # `python single_gpu.py | head`: the reader left; stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's final flush cannot fail
         sys.exit(141)
-
-
-def run_worker(rank, fn, *args):
-    """Entry point of an mp.spawn worker: fn(rank, *args), with FatalError as one line and an exit code."""
-    try:
-        fn(rank, *args)
-    except (FatalError, RuntimeError) as e:
-        _stop(e, rank)
+    except Exception as e:
+        stop(e)

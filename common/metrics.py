@@ -18,45 +18,44 @@ from common.errors import FatalError
 FILENAME = "metrics.jsonl"
 
 
-def _epoch_of(line):
-    try:
-        return json.loads(line)["epoch"]
-    except (ValueError, KeyError, TypeError):
-        return None  # a line cut off by a kill: dropped
-
-
 class MetricsLog:
-    """Appends records to OUTPUT/metrics.jsonl on global rank 0; on other ranks (or without a folder) does nothing."""
+    """Appends records to FOLDER/metrics.jsonl on global rank 0; elsewhere (other ranks, folder None) it writes nothing."""
 
     def __init__(self, folder, ctx, epochs_done=0):
-        self.file = None
-        self.started = time.perf_counter()
+        self.path, self.pending, self.started = None, {}, time.perf_counter()
         if folder is None or not ctx.is_main:
             return
         self.path = Path(folder) / FILENAME
         kept = []
         if epochs_done and self.path.exists():  # resuming: keep the epochs the snapshot holds, drop the lost ones
-            kept = [line for line in self.path.read_text().splitlines() if (_epoch_of(line) or epochs_done + 1) <= epochs_done]
-        try:
-            self.file = open(self.path, "w")
-            self.file.writelines(line + "\n" for line in kept)
-        except OSError as e:
-            raise FatalError(f"cannot write {self.path}: {e.strerror}; pass a writable --output") from None
+            kept = [line + "\n" for line in self.path.read_text().splitlines() if _epoch_of(line) <= epochs_done]
+        self._put(kept, "w")
 
-    def write(self, kind, **fields):
-        if self.file is None:
-            return
-        record = dict(kind=kind, **fields, time=round(time.perf_counter() - self.started, 3))
+    def note(self, **fields):
+        """Fields for this epoch's "epoch" record, written with it."""
+        self.pending.update(fields)
+
+    def write(self, kind, epoch, **fields):
+        """One record; an "epoch" record also takes the fields noted since the last one."""
+        extra, self.pending = (self.pending, {}) if kind == "epoch" else ({}, self.pending)
+        record = dict(kind=kind, epoch=epoch, **extra, **fields, time=round(time.perf_counter() - self.started, 3))
+        if self.path is not None:
+            self._put([json.dumps(record) + "\n"], "a")
+
+    def _put(self, lines, mode):
         try:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            with open(self.path, mode) as f:
+                f.writelines(lines)
         except OSError as e:
             raise FatalError(f"cannot write {self.path}: {e.strerror}; free some space or pass another --output") from None
 
-    def close(self):
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+
+def _epoch_of(line):
+    """A record's epoch; a line cut off by a kill counts as never written."""
+    try:
+        return json.loads(line)["epoch"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def read_metrics(folder):

@@ -14,7 +14,7 @@ Cases (each in its own subprocess, so each has a fresh interpreter and its own p
   (f) torchrun_2   the real `ddp_launch.py` under `torchrun --standalone --nproc-per-node 2`
   (g) ddp_compute  2 ranks, each stepping over its shard's pre-made slices (batch 64/2), no communication
   (h) allreduce    2 ranks, nothing but one all_reduce of the gradient's size (2.7 MB) per step
-  (i) ddp_manual   2 ranks, a step written by hand: backward, then one all_reduce of all gradients
+  (i) ddp_manual   2 ranks, a step written by hand: backward, one all_reduce of all gradients, / world size
   (j) dataparallel the real `dataparallel.py` (one process; on a CPU-only machine the plain model)
   (k) torchrun_1   the real `ddp_launch.py` under `torchrun --standalone --nproc-per-node 1`
   (l) tcp_2        the real `ddp_tcp_manual.py`, ranks 0 and 1 started by hand on 127.0.0.1
@@ -43,6 +43,7 @@ import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -57,7 +58,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 from common import data  # noqa: E402
 from common.config import check_device  # noqa: E402
 from common.errors import FatalError, run_main  # noqa: E402
-from common.distributed import free_port  # noqa: E402
+from common.ranks import cpu_threads, free_port  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
 
 BATCH_SIZE, LR, SEED = 64, 1e-3, 0  # the quickstart's settings, which single_gpu.py also defaults to
@@ -140,25 +141,28 @@ def case_floor(args):
 
 def _floor_worker(rank, args, port):
     """One rank of the DDP floor: this rank's shard as pre-made slices, timed between barriers on every rank."""
-    from common.config import Config
-    from common.distributed import cleanup, init_distributed
-
     world = args.nprocs
-    # The chapters' own setup: same backend, device and CPU threads per rank as ddp_mp.py gets.
-    cfg = Config(batch_size=BATCH_SIZE, device=args.device)
-    ctx = init_distributed(cfg, rank=rank, local_rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    # The chapters' setup: a GPU per rank or the CPU, the same backend, the cores split between the ranks.
+    device = torch.device("cuda", rank) if args.device.startswith("cuda") else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpu_threads(world))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        train_set = data.load_split(data.locate_fashion_mnist(args.data_dir), "train", ctx.device)
+        train_set = data.load_split(data.locate_fashion_mnist(args.data_dir), "train", device)
         # Rank r's share of the first epoch, in DistributedSampler's order, converted before any clock starts.
         shard = torch.tensor(list(DistributedSampler(train_set, num_replicas=world, rank=rank, seed=SEED)),
-                             device=ctx.device)
+                             device=device)
         X, y = train_set.images[shard].float() / 255, train_set.labels[shard]
         per_rank = BATCH_SIZE // world
         torch.manual_seed(SEED)
-        model = NeuralNetwork().to(ctx.device)
+        model = NeuralNetwork().to(device)
+        params = list(model.parameters())
         loss_fn = nn.CrossEntropyLoss()
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        grads = torch.zeros(sum(p.numel() for p in model.parameters()), device=ctx.device)  # the gradient's size
+        optimizer = torch.optim.SGD(params, lr=LR)
+        grads = torch.zeros(sum(p.numel() for p in params), device=device)  # the gradient's size
         steps = range(0, len(y), per_rank)
 
         def compute():  # what each rank computes, with no communication at all
@@ -171,32 +175,42 @@ def _floor_worker(rank, args, port):
             for _ in steps:
                 dist.all_reduce(grads)
 
-        def manual():  # a synchronous step written by hand: backward, then one all-reduce of all gradients
+        def manual():  # what DDP automates, by hand: average every gradient over the ranks, then step
             for i in steps:
                 loss_fn(model(X[i:i + per_rank]), y[i:i + per_rank]).backward()
-                flat = torch.cat([p.grad.view(-1) for p in model.parameters()])
-                dist.all_reduce(flat)
+                flat = torch.cat([p.grad.view(-1) for p in params])
+                dist.all_reduce(flat)  # the sum over the ranks ...
+                flat /= world  # ... made a mean: the gradient of the global batch
+                for p, g in zip(params, flat.split([p.numel() for p in params])):
+                    p.grad.copy_(g.view_as(p))
                 optimizer.step()
                 optimizer.zero_grad()
 
         part = dict(ddp_compute=compute, allreduce=allreduce, ddp_manual=manual)[args.case]
         for epoch in range(1, args.epochs + 1):
             dist.barrier()
-            _sync(ctx.device)
+            _sync(device)
             start = time.perf_counter()
             part()
-            _sync(ctx.device)
+            _sync(device)
             dist.barrier()  # the epoch ends when the slowest rank is done
-            if ctx.is_main:
+            if rank == 0:
                 report_epoch(epoch, time.perf_counter() - start, len(train_set))
+        if args.case == "ddp_manual":  # the replicas must still be one model: compare every rank's with rank 0's
+            mine = torch.cat([p.detach().view(-1) for p in params])
+            first = mine.clone()
+            dist.broadcast(first, 0)
+            spread = (mine - first).abs().max()
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                print(f"ranks agree: largest |weight difference| from rank 0 = {spread.item():.3e}", flush=True)
     finally:
-        cleanup(ctx)
+        dist.destroy_process_group()
 
 
 def case_ddp_floor(args):
     """(f)-(h) The parts of a DDP step on --nprocs ranks, each timed alone: compute, all-reduce, both by hand."""
     import torch.multiprocessing as mp
-
 
     mp.spawn(_floor_worker, args=(args, free_port()), nprocs=args.nprocs)
 
@@ -218,7 +232,7 @@ class Epoch:
 
 
 def parse_fit_log(text):
-    """Epochs from common.engine.fit's log: `Data: ... (N train` and `Train time: 2.63s (22799 samples/s)` lines."""
+    """Epochs from a chapter's log: `Data: ... (N train` and `Train time: 2.63s (22799 samples/s)` lines."""
     found = re.search(r"^Data: .* \((\d+) train /", text, re.M)
     epochs = []
     for seconds, rate in re.findall(r"^Train time: ([\d.]+)s \((\d+) samples/s\)", text, re.M):

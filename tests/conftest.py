@@ -1,6 +1,7 @@
 """Shared test helpers: tiny IDX datasets in the real format, the real data, and running entry scripts."""
 import gzip
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -82,13 +83,73 @@ def _restore_environ():
     os.environ.update(saved)
 
 
+# Every process a test starts: no download attempts, the CPU even where a GPU is visible (tests/test_gpu.py asks
+# for it), and one thread per process. The thread count alone moves the weights (1 vs 2 threads: 3e-6 after
+# 3 epochs of 200 steps on an AMD EPYC), so runs that are compared must use the same; with it, a resumed run is
+# bit for bit the uninterrupted one.
+BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", OMP_NUM_THREADS="1",
+                CUDA_VISIBLE_DEVICES="")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
 def run_script(script, *args, cwd=None, env=None, timeout=600):
     """Run an entry script as a user would (its own process), returning the CompletedProcess."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "FASHION_MNIST_OFFLINE": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(REPO / script), *map(str, args)],
-        cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd or REPO, env={**BASE_ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout,
     )
+
+
+class Procs:
+    """Processes started in their own sessions, so a test can kill every one of them and their children."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, cmd, **kw):
+        p = subprocess.Popen(cmd, cwd=kw.pop("cwd", REPO), env=kw.pop("env", BASE_ENV), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def wait(self, p, timeout=300):
+        """(returncode, stdout, stderr) of p, killing it if it overruns."""
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(p)
+            out, err = p.communicate()
+            pytest.fail(f"{p.args} still running after {timeout}s:\n{out}\n{err}")
+        return p.returncode, out, err
+
+    def kill(self, p):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                self.kill(p)
+            p.communicate()
+
+
+@pytest.fixture
+def procs():
+    """Start processes with procs.start(cmd); every one still running at the end is killed with its children."""
+    ps = Procs()
+    yield ps
+    ps.close()
+
+
+def one_error_line(err, *needles):
+    """err holds exactly one `error:` line, no traceback, and the line holds every needle."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
 
 
 def load_state(path):

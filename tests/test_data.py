@@ -92,29 +92,23 @@ def test_batches_match_torchvision_totensor(fake_data):
     from PIL import Image
 
     train = data.load_split(fake_data, "train", torch.device("cpu"))
-    loader = data.make_loader(train, 100, data.SeededSampler(train, seed=1))
+    sampler = DistributedSampler(train, num_replicas=1, rank=0, seed=1)
+    loader = data.make_loader(train, 100, sampler)
     batches = list(loader)
-    assert [len(y) for _, y in batches] == [100, 100, 56]  # the last partial batch is kept
+    assert [len(y) for _, y in batches] == [100, 100, 56] and len(loader) == 3  # the last partial batch is kept
     x, y = batches[0]
-    first = next(iter(data.SeededSampler(train, seed=1)))
+    first = next(iter(sampler))
     reference = to_tensor(Image.fromarray(train.images[first, 0].numpy()))
     assert x.dtype == torch.float32 and x.shape == (100, 1, 28, 28)
     assert torch.equal(x[0], reference) and y[0] == train.labels[first]
 
 
-@pytest.mark.parametrize("epoch", [0, 3])
-def test_seeded_sampler_is_distributed_samplers_permutation(epoch):
-    items = list(range(1000))
-    ours, theirs = data.SeededSampler(items, seed=7), DistributedSampler(items, num_replicas=1, rank=0, seed=7)
-    ours.set_epoch(epoch)
-    theirs.set_epoch(epoch)
-    assert list(ours) == list(theirs)
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_union_of_rank_batches_is_the_single_process_batch(world):
     items, global_batch = list(range(960)), 48
-    single = torch.utils.data.BatchSampler(data.SeededSampler(items, seed=3), global_batch, drop_last=False)
+    # Chapter 1's sampler: DistributedSampler with one replica.
+    single = torch.utils.data.BatchSampler(DistributedSampler(items, num_replicas=1, rank=0, seed=3), global_batch,
+                                           drop_last=False)
     per_rank = [
         torch.utils.data.BatchSampler(DistributedSampler(items, num_replicas=world, rank=r, seed=3),
                                       global_batch // world, drop_last=False)
@@ -128,3 +122,15 @@ def test_union_of_rank_batches_is_the_single_process_batch(world):
 def test_shard_sampler_covers_each_item_once(n, world):
     shards = [list(data.ShardSampler(range(n), r, world)) for r in range(world)]
     assert sorted(i for s in shards for i in s) == list(range(n))
+
+
+def test_loader_batches_follow_the_sampler_and_its_epoch(fake_data):
+    """make_loader serves exactly the sampler's order, as index tensors on the data's device, anew per epoch."""
+    train = data.load_split(fake_data, "train", torch.device("cpu"))
+    sampler = DistributedSampler(train, num_replicas=2, rank=1, seed=5)
+    loader = data.make_loader(train, 16, sampler)
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        labels = torch.cat([y for _, y in loader])
+        assert torch.equal(labels, train.labels[order])

@@ -1,62 +1,21 @@
 """The DDP chapters through their real launchers: same model as chapter 1 at world sizes 1-3, exact eval, errors."""
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from common.distributed import free_port
 from common.metrics import read_metrics
-from conftest import REPO, assert_same_curves, load_state, max_abs_diff, slice_args
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", OMP_NUM_THREADS="1")
+from common.ranks import free_port
+from conftest import BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line, slice_args
 
-
-class Procs:
-    """Processes started in their own sessions, so a test can kill every one of them and their children."""
-
-    def __init__(self):
-        self.procs = []
-
-    def start(self, cmd, **kw):
-        p = subprocess.Popen(cmd, cwd=REPO, env=kw.pop("env", BASE_ENV), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
-        self.procs.append(p)
-        return p
-
-    def wait(self, p, timeout=300):
-        """(returncode, stdout, stderr) of p, killing it if it overruns."""
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(p)
-            out, err = p.communicate()
-            pytest.fail(f"{p.args} still running after {timeout}s:\n{out}\n{err}")
-        return p.returncode, out, err
-
-    def kill(self, p):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                self.kill(p)
-            p.communicate()
-
-
-@pytest.fixture
-def procs():
-    ps = Procs()
-    yield ps
-    ps.close()
+DDP_CHAPTERS = ["ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py"]
+# Chapter 1 and the DDP chapters at 1 thread per process differ only in how the gradients are summed (one
+# 48-image batch, or 2-3 shards averaged by all_reduce): measured at most 4e-9 after SLICE's 40 steps.
+SAME_MODEL = 1e-5
 
 
 def launch(kind, world, real_data, out, procs, timeout=60):
@@ -92,7 +51,7 @@ def test_ddp_trains_the_same_model(kind, world, real_data, reference, tmp_path, 
     codes, out, err = launch(kind, world, real_data, tmp_path / "run", procs)
     assert codes == [0] * len(codes), err
     ref_state, ref_log, ref_metrics = reference
-    assert max_abs_diff(ref_state, load_state(tmp_path / "run" / "model.pth")) <= 1e-5
+    assert max_abs_diff(ref_state, load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
     assert_same_curves(read_metrics(tmp_path / "run"), ref_metrics)  # rank 0's metrics.jsonl: the same curve
     # Exact evaluation: the same accuracy over all 500 test images, whatever the world size.
     assert _accuracy_lines(out) == _accuracy_lines(ref_log)
@@ -114,30 +73,23 @@ def test_two_torchrun_nodes_on_one_machine(real_data, reference, tmp_path, procs
                           *slice_args(real_data, tmp_path / "run"), "--timeout", "60"]) for n in range(2)]
     results = [procs.wait(p) for p in nodes]
     assert [r[0] for r in results] == [0, 0], results[0][2] + results[1][2]
-    assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= 1e-5
+    assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
     assert _accuracy_lines(results[0][1]) == _accuracy_lines(reference[1])
 
 
-def _one_error_line(err, *needles):
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in lines[0]
-
-
 @pytest.mark.parametrize("rank,needles", [
-    (1, ["GLOO_SOCKET_IFNAME", "firewall"]),  # nobody listens at the master's address
-    (0, ["start every rank"]),  # the master listens, but its peer never comes
+    (1, ["no rendezvous at 127.0.0.1:{port} within 10s", "GLOO_SOCKET_IFNAME", "firewall"]),  # nobody at the master
+    (0, ["only 1 of 2 processes reached the rendezvous", "start every rank"]),  # the master's peer never comes
 ], ids=["unreachable-master", "missing-peer"])
 def test_lone_rank_fails_within_the_timeout(rank, needles, procs):
+    """--timeout 10 means 10 s, plus the start-up (importing torch), not torch's retries after it (16-43 s)."""
     port = free_port()
     start = time.monotonic()
     p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{port}",
-                     "--rank", str(rank), "--world-size", "2", "--timeout", "5"])
+                     "--rank", str(rank), "--world-size", "2", "--timeout", "10"])
     code, _, err = procs.wait(p, timeout=60)
-    assert code == 1 and time.monotonic() - start < 5 + 20
-    _one_error_line(err, f"127.0.0.1:{port}", *needles)
+    assert code == 1 and time.monotonic() - start < 10 + 8, err
+    one_error_line(err, f"[rank {rank}]", *(n.format(port=port) for n in needles))
 
 
 def test_busy_port_is_named(procs):
@@ -149,40 +101,7 @@ def test_busy_port_is_named(procs):
                          "--rank", "0", "--world-size", "2", "--timeout", "5"])
         code, _, err = procs.wait(p, timeout=60)
     assert code == 1
-    _one_error_line(err, f"port {port} is busy")
-
-
-def _listening(port):
-    """Local addresses (as hex, from /proc/net/tcp and tcp6) with a socket listening on port."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                found.append(local.rsplit(":", 1)[0])
-    return found
-
-
-def test_rank0_listens_only_on_the_address_it_was_given(procs):
-    """tcp://127.0.0.1:PORT: the store listens on loopback only, not on every interface (TCPStore's default)."""
-    port = free_port()
-    p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{port}",
-                     "--rank", "0", "--world-size", "2", "--timeout", "5"])
-    deadline = time.monotonic() + 60
-    while not _listening(port) and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _listening(port) == ["0100007F"]  # 127.0.0.1, and no 0.0.0.0 or :: entry
-    code, _, err = procs.wait(p, timeout=60)  # rank 1 never comes: the rendezvous times out
-    assert code == 1 and "no rendezvous at 127.0.0.1" in err, err
-
-
-def test_an_address_of_another_machine_is_refused(procs):
-    """Rank 0 told to listen on an address it does not have (192.0.2.1 is a documentation-only address)."""
-    p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://192.0.2.1:{free_port()}",
-                     "--rank", "0", "--world-size", "2", "--timeout", "5"])
-    code, _, err = procs.wait(p, timeout=60)
-    assert code == 1
-    _one_error_line(err, "192.0.2.1 is not an address of this machine")
+    one_error_line(err, f"port {port} is busy")
 
 
 def test_wrong_interface_is_named(procs):
@@ -191,7 +110,7 @@ def test_wrong_interface_is_named(procs):
                      "--rank", "0", "--world-size", "1", "--timeout", "5"], env=env)
     code, _, err = procs.wait(p, timeout=60)
     assert code == 1
-    _one_error_line(err, "GLOO_SOCKET_IFNAME=nosuch0 is not a network interface of this machine")
+    one_error_line(err, "GLOO_SOCKET_IFNAME=nosuch0 is not a network interface of this machine")
 
 
 def stale_rendezvous_file(folder):
@@ -208,12 +127,39 @@ def test_leftover_rendezvous_file_is_refused(tmp_path, procs):
                      "--rank", "0", "--world-size", "2", "--timeout", "5"])
     code, _, err = procs.wait(p, timeout=60)
     assert code == 1
-    _one_error_line(err, "left over", str(stale))
+    one_error_line(err, "left over", str(stale))
 
 
-@pytest.mark.parametrize("script", ["ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py"])
-def test_chapter_diff_stays_small(script):
-    """`diff single_gpu.py ddp_X.py` is the lesson: only the strategy's lines may differ."""
-    diff = subprocess.run(["diff", "single_gpu.py", script], cwd=REPO, capture_output=True, text=True).stdout
-    changed = [line for line in diff.splitlines() if line[:2] in ("< ", "> ")]
-    assert len(changed) <= 60, diff
+@pytest.mark.parametrize("script", DDP_CHAPTERS)
+def test_each_ddp_chapter_shows_its_own_distributed_lines(script):
+    """The lesson is in the chapter: it calls torch's own pieces itself, in the order a reader follows them."""
+    source = (REPO / script).read_text()
+    train, setup = source.split("def train(cfg, ctx):")[1].split("\n\n\n")[0], source.split("def train(cfg, ctx):")[1]
+
+    def in_order(text, calls):
+        where = [text.find(call) for call in calls]
+        return -1 not in where and where == sorted(where)
+
+    # Joining: the device first, then the group, the training, and leaving the group even after an error.
+    assert in_order(setup, ["set_device(", "init_process_group(", "train(cfg, ctx)", "finally:",
+                            "dist.destroy_process_group()"]), setup
+    # Training: the sampler, the wrap, a new shuffle each epoch, one copy of the plain model saved by rank 0.
+    assert in_order(train, ["DistributedSampler(", "DDP(", "set_epoch(", "if ctx.is_main:", "save_weights(model.module"])
+    # Where rank, local rank and world size come from is in the file too.
+    source_of_ranks = {"ddp_launch.py": 'os.environ["RANK"]', "ddp_mp.py": "def worker(rank,",
+                       "ddp_tcp_manual.py": "cfg.rank", "ddp_slurm.py": 'os.environ["SLURM_PROCID"]'}
+    assert source_of_ranks[script] in setup
+
+
+def test_no_hand_built_store_on_the_default_path():
+    """The chapters meet through torch's own rendezvous for their init_method: nothing builds a TCPStore itself."""
+    for path in [*REPO.glob("*.py"), *REPO.glob("common/*.py")]:
+        assert "TCPStore(" not in path.read_text(), path
+
+
+def test_chapter_diff_stays_focused():
+    """`diff single_gpu.py ddp_X.py` is the lesson: the strategy's lines, and not much else."""
+    for script in DDP_CHAPTERS:
+        diff = subprocess.run(["diff", "single_gpu.py", script], cwd=REPO, capture_output=True, text=True).stdout
+        changed = [line for line in diff.splitlines() if line[:2] in ("< ", "> ")]
+        assert len(changed) <= 90, (script, diff)

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.distributed import free_port
 from common.model import NeuralNetwork
-from conftest import REPO, make_fake_fashion_mnist, run_script
-from test_ddp import BASE_ENV, stale_rendezvous_file
+from common.ranks import free_port
+from conftest import BASE_ENV, REPO, make_fake_fashion_mnist, run_script
+from test_ddp import stale_rendezvous_file
 from test_faults import SLURM_ENV  # rank 0 of a 2-task job on localhost
 
 # (pattern, reason): commands that are not run here, and why. A doc command must match one, or run.

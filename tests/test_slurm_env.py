@@ -1,8 +1,9 @@
 """Chapter 6 without a cluster: SLURM host lists, the SLURM environment, and the errors outside SLURM."""
 import pytest
 
-from common.distributed import cpu_threads, expand_hostlist, slurm_env
 from common.errors import FatalError, UsageError
+from common.ranks import cpu_threads
+from common.slurm import check_srun_task, expand_hostlist, slurm_master
 from conftest import run_script
 
 
@@ -19,7 +20,7 @@ def test_expand_hostlist(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
 
 
-@pytest.mark.parametrize("bad", ["gpu[01-03", "gpu01-03]", "gpu[3-1]", "gpu[a-b]", "n[[1]]"])
+@pytest.mark.parametrize("bad", ["gpu[01-03", "gpu01-03]", "gpu[3-1]", "gpu[a-b]", "n[[1]]", ""])
 def test_expand_hostlist_rejects_garbage(bad):
     with pytest.raises(ValueError):
         expand_hostlist(bad)
@@ -39,15 +40,15 @@ def task_env(monkeypatch):
     return monkeypatch
 
 
-def test_slurm_env_reads_rank_world_and_master(task_env):
-    # The master is the job's first host; the port comes from the job id, the same in every task.
-    assert slurm_env() == (3, 1, 4, "tcp://localhost:24242")
+def test_the_master_is_the_first_node_on_a_port_from_the_job_id(task_env):
+    check_srun_task()  # a good task environment passes
+    assert slurm_master() == ("localhost", 24242)  # the same in every task of the job
 
 
 def test_master_addr_and_port_override(task_env):
     task_env.setenv("MASTER_ADDR", "127.0.0.1")
     task_env.setenv("MASTER_PORT", "29555")
-    assert slurm_env()[3] == "tcp://127.0.0.1:29555"
+    assert slurm_master() == ("127.0.0.1", 29555)
 
 
 @pytest.mark.parametrize("change,error,needle", [
@@ -57,7 +58,6 @@ def test_master_addr_and_port_override(task_env):
     (dict(SLURM_NTASKS="two"), UsageError, "cannot read the SLURM environment"),
     (dict(SLURM_PROCID="4"), UsageError, "SLURM_PROCID=4 is not below SLURM_NTASKS=4"),
     (dict(SLURM_JOB_NODELIST="gpu[01"), UsageError, "cannot read the SLURM environment"),
-    (dict(SLURM_JOB_NODELIST="no-such-node.invalid"), FatalError, "does not resolve"),
 ])
 def test_bad_slurm_environments_say_why(task_env, change, error, needle):
     for name, value in change.items():
@@ -66,19 +66,26 @@ def test_bad_slurm_environments_say_why(task_env, change, error, needle):
         else:
             task_env.setenv(name, value)
     with pytest.raises(error, match=needle.replace("[", r"\[")):
-        slurm_env()
+        check_srun_task()
 
 
-def test_threads_follow_the_cores_slurm_gave(monkeypatch):
+def test_an_unresolvable_head_node_is_named(task_env):
+    task_env.setenv("SLURM_JOB_NODELIST", "no-such-node.invalid,gpu1")
+    with pytest.raises(FatalError, match="head node 'no-such-node.invalid' .* does not resolve"):
+        slurm_master()
+
+
+def test_threads_follow_the_cores_this_rank_may_use(monkeypatch):
     for name in ("SLURM_CPUS_PER_TASK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert cpu_threads(4) == 4  # four ranks share the machine
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert cpu_threads(4) == 4  # four ranks share this machine's 16 cores
+    assert cpu_threads(1) == 16  # one rank per machine gets all of them, however many machines
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
     assert cpu_threads(4) == 3  # srun gave this task 3 cores of its own
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
-    assert cpu_threads(4) == 4  # torchrun's 2 workers share the 8 cores of its task
+    assert cpu_threads(2) == 4  # torchrun's 2 workers share the 8 cores of its task
 
 
 def test_outside_slurm_says_how_to_submit():

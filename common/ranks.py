@@ -1,0 +1,157 @@
+"""Who this process is among the ranks: its DistContext and device, rank-0 printing, sums over all ranks."""
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from common.errors import NO_RANK0, FatalError, UsageError, this_process_is
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job. rank is global; local_rank only picks the device on its machine."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self):
+        this_process_is(self.rank if self.world_size > 1 else None)  # error lines say which rank failed
+
+    @property
+    def is_main(self):
+        """Global rank 0: the one process that prints the tutorial lines and writes files."""
+        return self.rank == 0
+
+
+def choose_device(requested=None):
+    """One process (chapters 1 and 2): --device as given, else the current GPU if one is visible, else the CPU."""
+    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def rank_device(requested, local_rank, ranks_here=None):
+    """A DDP rank's device: cuda:<local rank> where GPUs are used, else the CPU; one line for what cannot work.
+
+    ranks_here is how many ranks this machine runs, where the launcher says (torchrun, mp.spawn).
+    """
+    if requested not in (None, "cpu") and torch.device(requested).index is not None:
+        raise UsageError(f"--device {requested}: a DDP rank always uses the GPU of its local rank, cuda:<local rank>; "
+                         f"choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=2,3) and pass "
+                         f"--device cuda or nothing")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if ranks_here and ranks_here > gpus:
+        raise UsageError(f"{ranks_here} ranks on this machine but {gpus} GPU(s) visible: start at most one rank per "
+                         f"GPU (check CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu")
+    if local_rank >= gpus:
+        raise UsageError(f"local rank {local_rank} but {gpus} GPU(s) visible (cuda:0 .. cuda:{gpus - 1}): start at "
+                         f"most one rank per GPU (check CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu")
+    return torch.device("cuda", local_rank)
+
+
+def default_nprocs(requested=None):
+    """ddp_mp.py's default: one process per visible GPU; 2 on the CPU, so the chapter still shows two ranks."""
+    if requested != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2
+
+
+def free_port(host="127.0.0.1"):
+    """A port the OS says is free right now (instead of a hard-coded 12355 that a second job would collide on)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_global_batch(batch_size, world_size):
+    """--batch-size is the global batch, so it must split evenly over the ranks."""
+    if batch_size % world_size:
+        raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over {world_size} "
+                         f"ranks; use a multiple of {world_size}, e.g. {batch_size // world_size * world_size or world_size}")
+
+
+def check_rendezvous(init_method, rank, timeout):
+    """Before init_process_group(init_method=tcp:// or file://): a stale file or a missing rank 0 fails at --timeout.
+
+    file://: a file older than --timeout was left by a crashed run (a clean run's ranks delete it); its keys
+    would mix two jobs' rendezvous. tcp://, ranks > 0: wait here until rank 0's port answers. torch's own store client
+    retries once more after its deadline with a grown back-off (torch 2.14.1: --timeout 10 ended after 16-21 s,
+    --timeout 20 after 43 s; the retry loop came with pytorch/pytorch#129261), so a missing rank 0 is reported here.
+    """
+    url = urlparse(init_method)
+    if url.scheme == "file":
+        path = Path(url.path)
+        if not path.parent.is_dir():
+            raise FatalError(f"rendezvous folder {path.parent} does not exist; create it on a filesystem every "
+                             f"machine shares")
+        if path.exists() and time.time() - path.stat().st_mtime > timeout:
+            raise FatalError(f"rendezvous file {path} is left over from an earlier run "
+                             f"({time.time() - path.stat().st_mtime:.0f}s old); delete it or pass a new file:// name")
+    elif rank > 0:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection((url.hostname, url.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise FatalError(f"no rendezvous at {url.hostname}:{url.port} within {timeout:g}s: "
+                                     f"{NO_RANK0}") from None
+                time.sleep(0.2)
+
+
+def cpu_threads(ranks_here):
+    """Threads for one CPU rank: the cores SLURM gave its task, or this machine's, split over the ranks sharing them."""
+    per_task = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
+    if per_task:  # srun gave this task cores of its own; torchrun's workers inside one task share them
+        return max(1, per_task // int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
+
+
+def share_machine(ctx):
+    """Every rank, once the group is up: meet the ranks on this machine, then print this rank's one line.
+
+    One all_gather of (host, device): two NCCL ranks on one GPU are refused in one line (NCCL would fail later,
+    less clearly), and on the CPU the ranks of one machine split its cores (more threads than cores makes every
+    rank slower), unless OMP_NUM_THREADS says otherwise.
+    """
+    me = (socket.gethostname(), str(ctx.device))
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, me)
+    twin = next((r for r, other in enumerate(everyone) if other == me and r != ctx.rank), None)
+    if twin is not None and dist.get_backend() == "nccl":
+        raise FatalError(f"ranks {min(ctx.rank, twin)} and {max(ctx.rank, twin)} both use {ctx.device} on {me[0]}, "
+                         f"and NCCL needs one GPU per rank: give each rank of a machine its own local rank")
+    if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpu_threads(sum(host == me[0] for host, _ in everyone)))
+    # One write per line (newline included), so the ranks' lines do not interleave in a shared log file.
+    print(f"[rank {ctx.rank}] host={me[0]} local_rank={ctx.local_rank} device={ctx.device} "
+          f"backend={dist.get_backend()} world_size={ctx.world_size} threads={torch.get_num_threads()}\n",
+          end="", flush=True)
+
+
+def print0(ctx, *args, **kwargs):
+    """print() on global rank 0 only, as one flushed write, so other ranks' lines cannot land inside it."""
+    if ctx.is_main:
+        sep, end = kwargs.pop("sep", " "), kwargs.pop("end", "\n")
+        print(sep.join(map(str, args)) + end, end="", flush=True, **kwargs)
+
+
+def all_reduce_sum(values, ctx):
+    """Sum a few numbers over all ranks (every rank must call it); returns them as Python floats."""
+    if ctx.world_size == 1:
+        return [float(v) for v in values]
+    # float64 holds counts up to 2**53 exactly; the tensor lives where the backend can reach it.
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
+    dist.all_reduce(t)
+    return t.tolist()
