@@ -26,13 +26,13 @@ from common.engine import evaluate, train_one_epoch
 from common.errors import run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import DistContext, check_global_batch, check_rendezvous, print0, rank_device, share_machine
+from common.ranks import DistContext, check_global_batch, check_rendezvous, meet_the_group, print0, rank_device
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    share_machine(ctx)  # each rank prints its line; CPU ranks on one machine split its cores
+    meet_the_group(cfg, ctx)  # each rank's line; one line if they disagree on flags or share a GPU
     output = prepare_output(cfg.output)
 
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)

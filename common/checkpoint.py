@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
-from common.ranks import all_reduce_sum, print0
+from common.config import flag_text
 from common.errors import FatalError
+from common.ranks import all_reduce_sum, print0
 
 SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v2"
 # The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones.
@@ -96,10 +97,6 @@ def save_snapshot(model, optimizer, epochs_done, cfg, ctx):
         raise FatalError(f"rank 0 could not write the snapshot {cfg.snapshot} (see its error)")
 
 
-def _flag_text(name, value):
-    return f"--{name.replace('_', '-')} {value}"
-
-
 def load_snapshot(model, optimizer, cfg, ctx):
     """With --snapshot FILE and FILE there: load it into model and optimizer, return the epochs it holds; else 0."""
     if not cfg.snapshot:
@@ -121,8 +118,8 @@ def load_snapshot(model, optimizer, cfg, ctx):
     made_with = snapshot["config"]
     different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
     if different:
-        theirs = " ".join(_flag_text(n, made_with.get(n)) for n in different)
-        ours = " ".join(_flag_text(n, getattr(cfg, n)) for n in different)
+        theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
+        ours = " ".join(flag_text(n, getattr(cfg, n)) for n in different)
         raise FatalError(f"snapshot {path} was made with {theirs}, this run has {ours}; resume with the "
                          f"snapshot's flags, or {fix}")
     try:

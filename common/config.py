@@ -126,6 +126,12 @@ def check_device(parser, device):
         parser.error(f"--device {device}: this tutorial runs on cpu or cuda")
 
 
+def flag_text(name, value):
+    """A setting as the flag that gives it: "--batch-size 48", or "no --train-samples" for one that is unset."""
+    flag = f"--{name.replace('_', '-')}"
+    return f"no {flag}" if value is None else f"{flag} {value}"
+
+
 def _valid_init_method(url):
     """tcp://HOST:PORT with a port in 1..65535, or file:// with an absolute path."""
     parts = urlparse(url)

@@ -171,15 +171,18 @@ class ShardSampler(Sampler):
 class _DeviceBatches(Sampler):
     """A sampler's order cut into batches of indices that live on the data's device.
 
-    The order goes to the device once per epoch; a per-batch index list would be one blocking host-to-device
-    copy, so one host sync, per step on a GPU.
+    The order goes to the device once per epoch, from pinned memory without waiting; a per-batch index list
+    would be one blocking host-to-device copy, so one host sync, per step on a GPU.
     """
 
     def __init__(self, sampler, batch_size, device):
         self.sampler, self.batch_size, self.device = sampler, batch_size, device
 
     def __iter__(self):
-        return iter(torch.tensor(list(self.sampler), device=self.device).split(self.batch_size))
+        order = torch.tensor(list(self.sampler))
+        if self.device.type == "cuda":
+            order = order.pin_memory().to(self.device, non_blocking=True)
+        return iter(order.split(self.batch_size))
 
     def __len__(self):
         return math.ceil(len(self.sampler) / self.batch_size)

@@ -9,6 +9,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from common.config import flag_text
 from common.errors import NO_RANK0, FatalError, UsageError, this_process_is
 
 
@@ -118,24 +119,32 @@ def cpu_threads(ranks_here):
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 
-def share_machine(ctx):
-    """Every rank, once the group is up: meet the ranks on this machine, then print this rank's one line.
+# Flags every rank must share: with others, the ranks take different numbers of steps or collectives, and gloo
+# aborts the process (SIGABRT) on the first mismatched one. --data-dir, --output and --device may differ.
+SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "seed", "train_samples", "test_samples", "log_every", "save_every")
 
-    One all_gather of (host, device): two NCCL ranks on one GPU are refused in one line (NCCL would fail later,
-    less clearly), and on the CPU the ranks of one machine split its cores (more threads than cores makes every
-    rank slower), unless OMP_NUM_THREADS says otherwise.
+
+def meet_the_group(cfg, ctx):
+    """Every rank, once the group is up: one all_gather of (host name, flags), then this rank's one line.
+
+    Ranks started with different flags are refused in one line. (Two NCCL ranks on one GPU fail right here too:
+    NCCL refuses them when this first collective builds its communicator.) On the CPU the ranks of one machine split
+    its cores (more threads than cores makes every rank slower), unless OMP_NUM_THREADS says otherwise.
     """
-    me = (socket.gethostname(), str(ctx.device))
+    flags = {name: getattr(cfg, name) for name in SAME_ON_EVERY_RANK} | {"snapshot": cfg.snapshot is not None}
+    host = socket.gethostname()
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, me)
-    twin = next((r for r, other in enumerate(everyone) if other == me and r != ctx.rank), None)
-    if twin is not None and dist.get_backend() == "nccl":
-        raise FatalError(f"ranks {min(ctx.rank, twin)} and {max(ctx.rank, twin)} both use {ctx.device} on {me[0]}, "
-                         f"and NCCL needs one GPU per rank: give each rank of a machine its own local rank")
+    dist.all_gather_object(everyone, (host, flags))
+    for rank, (_, theirs) in enumerate(everyone):
+        differ = [name for name in flags if theirs[name] != flags[name]]
+        if differ:
+            theirs, mine = (" ".join(flag_text(n, f[n]) for n in differ) for f in (theirs, flags))
+            raise FatalError(f"rank {rank} was started with {theirs}, rank {ctx.rank} with {mine}: start every rank "
+                             f"with the same flags (--data-dir, --output and --device may differ)")
     if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(cpu_threads(sum(host == me[0] for host, _ in everyone)))
+        torch.set_num_threads(cpu_threads(sum(other == host for other, _ in everyone)))
     # One write per line (newline included), so the ranks' lines do not interleave in a shared log file.
-    print(f"[rank {ctx.rank}] host={me[0]} local_rank={ctx.local_rank} device={ctx.device} "
+    print(f"[rank {ctx.rank}] host={host} local_rank={ctx.local_rank} device={ctx.device} "
           f"backend={dist.get_backend()} world_size={ctx.world_size} threads={torch.get_num_threads()}\n",
           end="", flush=True)
 

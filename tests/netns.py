@@ -1,0 +1,110 @@
+"""Two machines on one: network namespaces joined by a veth pair, each with its own address and host name.
+
+    with TwoMachines() as net:                       # nodea 10.77.0.1 and nodeb 10.77.0.2, interface eth1 on each
+        p = net.popen("nodea", ["python", "ddp_tcp_manual.py", ...])
+
+Each node is a namespace with loopback and eth1 (the two ends of one veth pair), its own /etc/hosts (through
+/etc/netns/NAME/hosts, which `ip netns exec` mounts over /etc/hosts) naming both nodes, and its own host name
+(`unshare --uts`), so torch sees two machines: different host names, different addresses, one network. Traffic
+stays between the two namespaces. Everything is removed on exit, processes first. Needs root and iproute2.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+NODES = {"nodea": "10.77.0.1", "nodeb": "10.77.0.2"}
+IFNAME = "eth1"  # the interface on the nodes' shared network, as GLOO_SOCKET_IFNAME names it
+
+
+def why_not():
+    """None where namespaces can be made here, else the reason."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (iproute2 / util-linux)"
+    probe = f"fmprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None if made.returncode == 0 else f"cannot make a network namespace: {made.stderr.strip()}"
+
+
+def _ip(*args):
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+
+
+class TwoMachines:
+    """nodea and nodeb as namespaces; popen(node, cmd) runs cmd on one of them."""
+
+    def __init__(self, extra_addresses=None, hosts=None):
+        tag = f"{os.getpid() % 100000}"
+        self.ns = {node: f"fm{node[-1]}{tag}" for node in NODES}  # fma12345, fmb12345
+        self.extra = extra_addresses or {}  # node -> more addresses on its eth1, e.g. a second "network card"
+        self.hosts = hosts or NODES  # the names every node's /etc/hosts gives
+        self.procs = []
+
+    def __enter__(self):
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _make(self):
+        a, b = (self.ns[node] for node in NODES)
+        for ns in (a, b):
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "add", f"v{a}", "type", "veth", "peer", "name", f"v{b}")
+        for node, ns in self.ns.items():
+            _ip("link", "set", f"v{ns}", "netns", ns)
+            _ip("-n", ns, "link", "set", f"v{ns}", "name", IFNAME)
+            for address in [NODES[node], *self.extra.get(node, [])]:
+                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME)
+            _ip("-n", ns, "link", "set", IFNAME, "up")
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            names = "".join(f"{address} {name}\n" for name, address in self.hosts.items())
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
+        self._wait_until_they_see_each_other()
+
+    def _wait_until_they_see_each_other(self, timeout=10):
+        deadline = time.monotonic() + timeout
+        while subprocess.run(["ip", "netns", "exec", self.ns["nodea"], "ping", "-c1", "-W1", NODES["nodeb"]],
+                             capture_output=True).returncode != 0:
+            if shutil.which("ping") is None or time.monotonic() > deadline:
+                return  # no ping here: the first connection will wait for the link instead
+            time.sleep(0.1)
+
+    def command(self, node, cmd):
+        """cmd as it runs on node: in its namespace, under its own host name."""
+        return ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "sh", "-c",
+                f'hostname {node} && exec "$@"', "sh", *map(str, cmd)]
+
+    def popen(self, node, cmd, **kw):
+        """Start cmd on node in a new session (so close() ends it and its children); stdout/stderr are pipes."""
+        p = subprocess.Popen(self.command(node, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.communicate()
+        for ns in self.ns.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its end of the veth pair along
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)

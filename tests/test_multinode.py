@@ -1,0 +1,120 @@
+"""Two machines for real: two network namespaces (nodea 10.77.0.1, nodeb 10.77.0.2) with their own host names.
+
+Each node runs its launcher as the README tells users to, with GLOO_SOCKET_IFNAME set to the interface on the
+shared network; the output folder and snapshot stand for a filesystem both machines mount.
+"""
+import os
+import re
+import signal
+import sys
+
+import pytest
+
+from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, slice_args
+from netns import IFNAME, NODES, TwoMachines, why_not
+from test_ddp import SAME_MODEL
+from test_faults import Watched, args_for, worker_with_rank
+
+NODE_ENV = dict(BASE_ENV, GLOO_SOCKET_IFNAME=IFNAME)
+A, B = NODES  # "nodea", "nodeb"
+PORT = "29500"  # each node has its own network stack, so the README's port is free on both
+
+
+@pytest.fixture
+def two_machines():
+    """TwoMachines(), or a skip with the reason where namespaces cannot be made (a failure under CI)."""
+    reason = why_not()
+    if reason:
+        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+    with TwoMachines() as net:
+        yield net
+
+
+def run_on_both(net, procs, commands, env=NODE_ENV, timeout=240):
+    """Start commands[node] on each node, wait for both; [(returncode, stdout, stderr)] in node order."""
+    started = [procs.start(net.command(node, cmd), env=env) for node, cmd in commands.items()]
+    return [procs.wait(p, timeout=timeout) for p in started]
+
+
+def torchrun_nodes(rendezvous, script_args, *more):
+    """The torchrun command of each node: 1 process per node, 2 nodes, meeting as `rendezvous` says."""
+    static = rendezvous == "static"
+    return {node: [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", *more,
+                   *(["--node-rank", str(i), "--master-addr", NODES[A], "--master-port", PORT] if static else
+                     ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{NODES[A]}:{PORT}", "--rdzv-id", "job1"]),
+                   "ddp_launch.py", *script_args] for i, node in enumerate(NODES)}
+
+
+def tcp_nodes(script_args):
+    """Chapter 5 by hand: rank 0 on nodea listening at its address, rank 1 on nodeb."""
+    return {node: [sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://{NODES[A]}:{PORT}", "--rank", str(i),
+                   "--world-size", "2", *script_args] for i, node in enumerate(NODES)}
+
+
+def accuracy_lines(log):
+    return re.findall(r"Accuracy: [\d.]+%", log)
+
+
+@pytest.mark.parametrize("how", ["torchrun-static", "torchrun-c10d", "tcp"])
+def test_two_machines_train_the_same_model(how, two_machines, procs, real_data, reference, tmp_path):
+    args = [*slice_args(real_data, tmp_path / "run"), "--timeout", "60"]
+    commands = tcp_nodes(args) if how == "tcp" else torchrun_nodes(how.split("-")[1], args)
+    results = run_on_both(two_machines, procs, commands)
+    assert [code for code, _, _ in results] == [0, 0], results
+    out = "".join(stdout for _, stdout, _ in results)
+    # One rank on each machine, each on its own host and address.
+    assert sorted(re.findall(r"^\[rank (\d)\] host=(node[ab]) ", out, re.M)) == [("0", A), ("1", B)]
+    assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
+    assert accuracy_lines(results[0][1]) == accuracy_lines(reference[1]) and out.count("Done!") == 1
+
+
+def test_elastic_restart_across_two_machines(two_machines, procs, real_data, tmp_path):
+    """nodeb's worker SIGKILLed in epoch 2: both torchruns restart, resume from the snapshot, end as if left alone."""
+    env = dict(NODE_ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    straight = run_on_both(two_machines, procs, torchrun_nodes("c10d", args_for(real_data, tmp_path / "straight")),
+                           env=env)
+    assert [code for code, _, _ in straight] == [0, 0], straight
+
+    snap = tmp_path / "snap.pt"
+    args = args_for(real_data, tmp_path / "run", "--snapshot", snap, "--timeout", "30")
+    commands = torchrun_nodes("c10d", args, "--max-restarts", "1")
+    node_a = Watched(procs, two_machines.command(A, commands[A]), env=env)
+    node_b = Watched(procs, two_machines.command(B, commands[B]), env=env)
+    node_a.wait_mid_epoch_2()
+    os.kill(worker_with_rank(node_b.proc.pid, 1), signal.SIGKILL)
+    (code_a, out_a, err_a), (code_b, out_b, err_b) = node_a.finish(), node_b.finish()
+    assert (code_a, code_b) == (0, 0), err_a + err_b
+    assert f"Resuming from {snap}: 1 of 3 epochs done, continuing with epoch 2" in out_a
+    assert out_a.count("Done!") == 1 and "Done!" not in out_b  # rank 0 (on nodea) prints, after the restart
+    assert len(re.findall(r"^\[rank 1\] host=nodeb ", out_b, re.M)) == 2  # nodeb's worker ran twice
+    # One rank per machine adds the two gradients in one order: bit for bit the job that was left alone.
+    assert max_abs_diff(load_state(tmp_path / "straight" / "model.pth"), load_state(tmp_path / "run" / "model.pth")) == 0
+
+
+def test_c10d_endpoint_on_a_second_address_needs_is_host(procs, real_data, tmp_path):
+    """nodea's host name resolves to 10.77.0.1, the endpoint is its second address 10.77.0.11 (another card).
+
+    torchrun decides who hosts the c10d store by comparing the endpoint with the machine's host name and its
+    addresses: nodea does not recognise 10.77.0.11, nobody hosts, and both nodes time out. `--rdzv-conf is_host=1`
+    on nodea says it.
+    """
+    reason = why_not()
+    if reason:
+        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+    args = [*slice_args(real_data, tmp_path / "run"), "--epochs", "1"]
+    with TwoMachines(extra_addresses={A: ["10.77.0.11"]}) as net:
+        def nodes(conf_a, conf_b):
+            return {node: [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", f"10.77.0.11:{PORT}", "--rdzv-id", "job1", "--rdzv-conf",
+                           conf_a if node == A else conf_b, "ddp_launch.py", *args] for node in NODES}
+
+        # A short read_timeout to see the trap quickly (the default is 60 s, plus torch's retries).
+        trapped = run_on_both(net, procs, nodes("read_timeout=5", "read_timeout=5"))
+        assert [code for code, _, _ in trapped] == [1, 1], trapped
+        for _, _, err in trapped:
+            assert "RendezvousConnectionError: The connection to the C10d store has failed" in err
+            assert "timed out after 5000ms while trying to connect to (10.77.0.11, 29500)" in err
+        # The default read_timeout again: nodeb may start before nodea's store is up.
+        fixed = run_on_both(net, procs, nodes("is_host=1", "read_timeout=60"))
+        assert [code for code, _, _ in fixed] == [0, 0], fixed
+        assert "Done!" in fixed[0][1]
