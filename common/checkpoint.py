@@ -57,21 +57,6 @@ def save_weights(model, path):
     atomic_save(model.state_dict(), path)
 
 
-def load_weights(path, map_location="cpu"):
-    """Read a state_dict saved by any chapter (or a snapshot's); tolerates a `module.` prefix; damaged files raise FatalError."""
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise FatalError(f"{path} does not exist") from None
-    except Exception as e:  # truncated zip, pickle refused by weights_only, ...
-        raise FatalError(f"{path} is not a readable PyTorch weights file ({type(e).__name__}); was it cut off or made by something else?") from None
-    if isinstance(state, dict) and state.get("format") == SNAPSHOT_FORMAT:
-        state = state["model"]  # a --snapshot file: its weights
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise FatalError(f"{path} holds no state_dict of tensors")
-    return {k.removeprefix("module."): v for k, v in state.items()}
-
-
 def save_snapshot(model, optimizer, epochs_done, cfg, ctx):
     """With --snapshot, every --save-every epochs and after the last: rank 0 writes one, every rank waits for it.
 

@@ -13,8 +13,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/ is on sys.path, not the repo root
 
-from common.checkpoint import load_weights  # noqa: E402
+import torch  # noqa: E402
+
+from common.checkpoint import SNAPSHOT_FORMAT  # noqa: E402
 from common.errors import FatalError  # noqa: E402
+
+
+def load_weights(path, map_location="cpu"):
+    """Read a state_dict saved by any chapter (or a snapshot's); tolerates a `module.` prefix; damaged files raise FatalError."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise FatalError(f"{path} does not exist") from None
+    except Exception as e:  # truncated zip, pickle refused by weights_only, ...
+        raise FatalError(f"{path} is not a readable PyTorch weights file ({type(e).__name__}); was it cut off or made by something else?") from None
+    if isinstance(state, dict) and state.get("format") == SNAPSHOT_FORMAT:
+        state = state["model"]  # a --snapshot file: its weights
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise FatalError(f"{path} holds no state_dict of tensors")
+    return {k.removeprefix("module."): v for k, v in state.items()}
 
 
 def compare(a, b, atol):
