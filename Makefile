@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 DATA_PKG := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup data run test clean
+.PHONY: setup data tools run test clean
 
 setup: $(VENV)/.installed data
 
@@ -25,10 +25,16 @@ data:
 		|| echo "note: could not install dataset-fashion-mnist; the scripts will look in ./data or download"; \
 	else echo "note: no apt-get; the scripts will look in ./data or download FashionMNIST"; fi
 
+# The two-machine tests build network namespaces with iproute2's `ip`; the SLURM tests install SLURM themselves.
+tools:
+	@command -v ip >/dev/null || ! command -v apt-get >/dev/null || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends iproute2) || \
+		echo "note: could not install iproute2; the two-machine tests will say why they cannot run"
+
 run: setup
 	$(PY) single_gpu.py
 
-test: setup
+test: setup tools
 	$(PY) -m pytest -q
 
 clean:
