@@ -397,7 +397,7 @@ def run_case(case, ws, progress):
     rss = usage.ru_maxrss / 1024
     print(f"{progress} {case.label}: done in {wall:.1f}s, best epoch {min(e.seconds for e in epochs):.3f}s, "
           f"peak RSS {rss:.0f} MiB", file=sys.stderr, flush=True)
-    return cmd, epochs, rss, wall, final_accuracy(output)
+    return cmd, epochs, rss, wall, final_accuracy(output), replica_spread(output)
 
 
 def final_accuracy(output):
@@ -406,15 +406,21 @@ def final_accuracy(output):
     return float(found[-1]) / 100 if found else None
 
 
+def replica_spread(output):
+    """(i)'s largest weight difference between its ranks after the hand-written steps; None for other cases."""
+    found = re.findall(r"^ranks agree: largest \|weight difference\| from rank 0 = (\S+)$", output, re.M)
+    return float(found[-1]) if found else None
+
+
 def summarize(case, runs, device):
     """One table row from a case's runs (one per round): best epoch over all of them, largest peak RSS."""
-    epochs = [e for _, run_epochs, _, _, _ in runs for e in run_epochs]
+    epochs = [e for run in runs for e in run[1]]
     best = min(epochs, key=lambda e: e.seconds)
     return dict(key=case.key, label=case.label, tag=case.label.split()[0], ranks=case.ranks, device=device,
                 command=runs[0][0], epoch_seconds=[e.seconds for e in epochs], best_seconds=best.seconds,
                 samples=best.samples, peak_rss_mib=max(run[2] for run in runs),
                 peak_rss_mib_per_round=[run[2] for run in runs], wall_seconds=sum(run[3] for run in runs),
-                accuracy=runs[-1][4])
+                accuracy=runs[-1][4], replica_spread=max((run[5] for run in runs if run[5] is not None), default=None))
 
 
 def add_derived(results):
@@ -445,6 +451,11 @@ def checks(results):
             out.append(dict(name=f"{num}/{den} epoch time", value=value, target=limit, passed=passed,
                             line=f"{a['label']} / {b['label']} = {value:.2f} ({verdict}"
                                  f"{')' if limit is None else ''}"))
+    spread = results.get("ddp_manual", {}).get("replica_spread")
+    if spread is not None:  # a hand-written all-reduce that forgot the mean or the write-back would let them drift
+        out.append(dict(name="ddp_manual replicas equal", value=spread, target=0.0, passed=spread == 0,
+                        line=f"(i) the ranks' weights after the hand-written steps: largest difference {spread:.3e} "
+                             f"(target 0): {'PASS' if spread == 0 else 'FAIL'}"))
     for small, big in RSS_TARGETS:
         if small in results and big in results:
             a, b = results[small], results[big]
