@@ -96,7 +96,7 @@ def build_parser(description=None, chapter_flags=()):
     p.add_argument("--lr", type=_positive_float, default=d.lr, help="SGD learning rate (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for the weights and the shuffling (default %(default)s)")
     p.add_argument("--data-dir", default=d.data_dir, help="FashionMNIST folder (torchvision layout); default ./data, then the system copy, then download")
-    p.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N (default: cuda if visible, else cpu)")
+    p.add_argument("--device", default=d.device, help="cpu or cuda; cuda:N in chapters 1-2 (default: cuda if visible, else cpu)")
     p.add_argument("--output", default=d.output, help="folder for model.pth (default runs/<script name>)")
     p.add_argument("--train-samples", type=_positive_int, default=d.train_samples, help="use only the first N training images")
     p.add_argument("--test-samples", type=_positive_int, default=d.test_samples, help="use only the first N test images")
