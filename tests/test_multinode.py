@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from common.ranks import free_port
 from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, slice_args
 from netns import IFNAME, NODES, TwoMachines, why_not
 from test_ddp import SAME_MODEL
@@ -118,3 +119,18 @@ def test_c10d_endpoint_on_a_second_address_needs_is_host(procs, real_data, tmp_p
         fixed = run_on_both(net, procs, nodes("is_host=1", "read_timeout=60"))
         assert [code for code, _, _ in fixed] == [0, 0], fixed
         assert "Done!" in fixed[0][1]
+
+
+def test_cpu_ranks_split_the_cores_of_their_own_machine(two_machines, procs, real_data, tmp_path):
+    """Threads per rank count the ranks on its machine, not in the world: 1 rank per machine gets all its cores."""
+    cores = len(os.sched_getaffinity(0))
+    env, host_env = ({k: v for k, v in e.items() if k != "OMP_NUM_THREADS"} for e in (NODE_ENV, BASE_ENV))  # the chapters choose
+    args = ["--train-samples", "96", "--test-samples", "96", "--epochs", "1", "--data-dir", real_data, "--timeout", "60"]
+    apart = run_on_both(two_machines, procs, tcp_nodes([*args, "--output", tmp_path / "apart"]), env=env)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    started = [procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", init, "--rank", str(r), "--world-size",
+                            "2", *map(str, args), "--output", str(tmp_path / "together")], env=host_env) for r in range(2)]
+    together = [procs.wait(p) for p in started]
+    for runs, threads in ((apart, cores), (together, max(1, cores // 2))):
+        assert [code for code, _, _ in runs] == [0, 0], runs
+        assert re.findall(r"threads=(\d+)$", "".join(out for _, out, _ in runs), re.M) == [str(threads)] * 2
