@@ -69,13 +69,16 @@ def main():
     print(f"Wrote {args.out} ({len(runs)} runs)")
 
     (first, (_, ref_loss, _, ref_acc)), *others = runs.items()
-    for name, (_, loss, _, acc) in others:
-        if len(loss) != len(ref_loss):
+    for name, (_, loss, epochs, acc) in others:
+        if len(loss) != len(ref_loss) or len(acc) != len(ref_acc):
             print(f"  {name}: {len(loss)} loss points, {first} has {len(ref_loss)} (other flags?)")
             continue
         gap = max((abs(a - b) for a, b in zip(loss, ref_loss)), default=0.0)
-        same = "the same" if acc == ref_acc else "different"
-        print(f"  {name} vs {first}: largest loss difference {gap:.1e}, {same} test accuracy every epoch")
+        differ = [(epoch, abs(a - b)) for epoch, a, b in zip(epochs, acc, ref_acc) if a != b]
+        same = "the same test accuracy every epoch" if not differ else (
+            f"test accuracy differs in epoch {', '.join(str(e) for e, _ in differ)} "
+            f"(by up to {max(d for _, d in differ):.2f} points)")
+        print(f"  {name} vs {first}: largest loss difference {gap:.1e}, {same}")
 
 
 if __name__ == "__main__":
