@@ -64,9 +64,11 @@ _EXPLAINED = [
         f"lost contact with the other ranks ({_first_line(text)}): another rank died (see its log), or the "
         f"network between them failed")),
     # gloo, once the group is up: a peer stopped answering but kept its connection (stopped, hung, or elsewhere).
-    (r"Timed out waiting (\d+)ms for (?:recv|send) operation", lambda m, text: (
-        f"no answer from another rank within --timeout ({_seconds(m[1])}): one of them is stopped or stuck "
-        f"(see its log), or the network between them stalled")),
+    # The operation that timed out says so with its limit; gloo then closes the process's other connections, and
+    # an operation waiting on one of those may be the one that reaches Python, with the second message.
+    (r"Timed out waiting (\d+)ms for (?:recv|send) operation|Application timeout caused pair closure", lambda m, text: (
+        f"no answer from another rank within --timeout{f' ({_seconds(m[1])})' if m[1] else ''}: one of them is "
+        f"stopped or stuck (see its log), or the network between them stalled")),
 ]
 
 

@@ -26,6 +26,8 @@ RECOGNISED = [
                   "reset by peer"), "lost contact with the other ranks"),
     (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv "
                   "operation to complete"), "no answer from another rank within --timeout (5s)"),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:1107] Application timeout caused pair closure"),
+     "no answer from another rank within --timeout: one of them is stopped or stuck"),
     (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage, NCCL version 2.21.5\n"
                            "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
                            "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"),
