@@ -135,10 +135,10 @@ def meet_the_group(cfg, ctx):
     host = socket.gethostname()
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, (host, flags))
-    for rank, (_, theirs) in enumerate(everyone):
-        differ = [name for name in flags if theirs[name] != flags[name]]
+    for rank, (_, their_flags) in enumerate(everyone):
+        differ = [name for name in flags if their_flags[name] != flags[name]]
         if differ:
-            theirs, mine = (" ".join(flag_text(n, f[n]) for n in differ) for f in (theirs, flags))
+            theirs, mine = (" ".join(flag_text(n, f[n]) for n in differ) for f in (their_flags, flags))
             raise FatalError(f"rank {rank} was started with {theirs}, rank {ctx.rank} with {mine}: start every rank "
                              f"with the same flags (--data-dir, --output and --device may differ)")
     if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:

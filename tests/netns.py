@@ -1,16 +1,16 @@
 """Two machines on one: network namespaces joined by a veth pair, each with its own address and host name.
 
     with TwoMachines() as net:                       # nodea 10.77.0.1 and nodeb 10.77.0.2, interface eth1 on each
-        p = net.popen("nodea", ["python", "ddp_tcp_manual.py", ...])
+        p = procs.start(net.command("nodea", ["python", "ddp_tcp_manual.py", ...]))   # conftest's Procs
 
 Each node is a namespace with loopback and eth1 (the two ends of one veth pair), its own /etc/hosts (through
 /etc/netns/NAME/hosts, which `ip netns exec` mounts over /etc/hosts) naming both nodes, and its own host name
 (`unshare --uts`), so torch sees two machines: different host names, different addresses, one network. Traffic
-stays between the two namespaces. Everything is removed on exit, processes first. Needs root and iproute2.
+stays between the two namespaces. Both are removed on exit; the processes belong to whoever started them (the
+`procs` fixture kills them). Needs root and iproute2.
 """
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -39,14 +39,13 @@ def _ip(*args):
 
 
 class TwoMachines:
-    """nodea and nodeb as namespaces; popen(node, cmd) runs cmd on one of them."""
+    """nodea and nodeb as namespaces; command(node, cmd) is cmd as it runs on one of them."""
 
     def __init__(self, extra_addresses=None, hosts=None):
         tag = f"{os.getpid() % 100000}"
         self.ns = {node: f"fm{node[-1]}{tag}" for node in NODES}  # fma12345, fmb12345
         self.extra = extra_addresses or {}  # node -> more addresses on its eth1, e.g. a second "network card"
         self.hosts = hosts or NODES  # the names every node's /etc/hosts gives
-        self.procs = []
 
     def __enter__(self):
         try:
@@ -90,21 +89,7 @@ class TwoMachines:
         return ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "sh", "-c",
                 f'hostname {node} && exec "$@"', "sh", *map(str, cmd)]
 
-    def popen(self, node, cmd, **kw):
-        """Start cmd on node in a new session (so close() ends it and its children); stdout/stderr are pipes."""
-        p = subprocess.Popen(self.command(node, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, **kw)
-        self.procs.append(p)
-        return p
-
     def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.communicate()
         for ns in self.ns.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its end of the veth pair along
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)

@@ -324,9 +324,9 @@ def test_every_troubleshooting_message_has_a_way_to_print_it():
 def _test_body(nodeid):
     """The source of the test function FILE::NAME."""
     path, name = nodeid.split("::")
-    tree = ast.parse((REPO / path).read_text())
-    (function,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name]
-    return ast.get_source_segment((REPO / path).read_text(), function)
+    source = (REPO / path).read_text()
+    (function,) = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == name]
+    return ast.get_source_segment(source, function)
 
 
 @pytest.mark.parametrize("message", troubleshooting_messages())

@@ -21,12 +21,17 @@ A, B = NODES  # "nodea", "nodeb"
 PORT = "29500"  # each node has its own network stack, so the README's port is free on both
 
 
-@pytest.fixture
-def two_machines():
-    """TwoMachines(), or a skip with the reason where namespaces cannot be made (a failure under CI)."""
+def need_namespaces():
+    """A skip with the reason where namespaces cannot be made here (a failure under CI)."""
     reason = why_not()
     if reason:
         pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+
+
+@pytest.fixture
+def two_machines():
+    """TwoMachines(), where namespaces can be made."""
+    need_namespaces()
     with TwoMachines() as net:
         yield net
 
@@ -99,9 +104,7 @@ def test_c10d_endpoint_on_a_second_address_needs_is_host(procs, real_data, tmp_p
     addresses: nodea does not recognise 10.77.0.11, nobody hosts, and both nodes time out. `--rdzv-conf is_host=1`
     on nodea says it.
     """
-    reason = why_not()
-    if reason:
-        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+    need_namespaces()
     args = [*slice_args(real_data, tmp_path / "run"), "--epochs", "1"]
     with TwoMachines(extra_addresses={A: ["10.77.0.11"]}) as net:
         def nodes(conf_a, conf_b):
