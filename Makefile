@@ -25,11 +25,16 @@ data:
 		|| echo "note: could not install dataset-fashion-mnist; the scripts will look in ./data or download"; \
 	else echo "note: no apt-get; the scripts will look in ./data or download FashionMNIST"; fi
 
-# The two-machine tests build network namespaces with iproute2's `ip`; the SLURM tests install SLURM themselves.
+# The two-machine tests build network namespaces with iproute2's `ip`; --compile on the CPU builds its kernels with
+# g++ and Python's headers; the SLURM tests install SLURM themselves.
+PY_HEADER = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h
 tools:
 	@command -v ip >/dev/null || ! command -v apt-get >/dev/null || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends iproute2) || \
 		echo "note: could not install iproute2; the two-machine tests will say why they cannot run"
+	@(command -v g++ >/dev/null && [ -f $(PY_HEADER) ]) || ! command -v apt-get >/dev/null || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends g++ python3-dev) || \
+		echo "note: could not install g++ and python3-dev; --compile on the CPU will say it needs a compiler"
 
 run: setup
 	$(PY) single_gpu.py

@@ -40,24 +40,31 @@ def train(cfg, ctx):
     # Each rank takes every world_size-th image of chapter 1's shuffle, batch_size / world_size at a time, so
     # the ranks' k-th batches together are chapter 1's k-th batch. Each rank tests a disjoint shard.
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg.batch_size // ctx.world_size, train_sampler)
+    train_loader = make_loader(train_set, cfg.batch_size // (ctx.world_size * cfg.accum_steps), train_sampler)
     test_loader = make_loader(test_set, 1000, ShardSampler(test_set, ctx.rank, ctx.world_size))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
     # DDP copies rank 0's weights to every rank, then averages the gradients over all ranks in each backward().
     model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    if cfg.compile:
+        # After the wrap: TorchDynamo sees DDP and cuts the graph where DDP's gradient buckets end (here two: the
+        # last two layers fill the 1 MB first bucket, the first layer the next), so a bucket's all-reduce starts while
+        # backward() goes on. Compiled before the wrap, backward is one graph that hands DDP every gradient at its end.
+        model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    # --precision fp16 (GPU only): scale the loss up so float16's small gradients do not round to zero.
+    scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
 
-    first_epoch = load_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
+    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
     metrics = MetricsLog(output, ctx, first_epoch)
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch (without it, every epoch is epoch 0's)
-        train_one_epoch(model, train_loader, optimizer, epoch, cfg, ctx, metrics)
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
     print0(ctx, "Done!")
 
     if ctx.is_main:  # one copy: rank 0 saves model.module, the plain model inside DDP (no `module.` prefix)
@@ -69,7 +76,7 @@ def main():
     cfg = parse_config(description=__doc__, chapter_flags=("init_method", "rank", "world_size", "local_rank"))
     rank, world_size = cfg.rank, cfg.world_size  # nobody starts these processes for us: the flags say who is who
     local_rank = cfg.local_rank or 0  # ranks that share a machine each need their own: it picks the GPU
-    check_global_batch(cfg.batch_size, world_size)
+    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     device = rank_device(cfg.device, local_rank)  # cuda:<local_rank>, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU

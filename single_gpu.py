@@ -29,22 +29,26 @@ def train(cfg, ctx):
     # A seeded shuffle, new each epoch: DistributedSampler with one replica. The DDP chapters give it more
     # replicas, and the union of their k-th batches is this k-th batch: that is why they train the same model.
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg.batch_size, train_sampler)
+    train_loader = make_loader(train_set, cfg.batch_size // cfg.accum_steps, train_sampler)  # --accum-steps: micro-batches
     test_loader = make_loader(test_set, 1000, ShardSampler(test_set))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
+    if cfg.compile:  # in place: TorchDynamo captures forward and backward as fused kernels; state_dict() keeps its keys
+        model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    # --precision fp16 (GPU only): scale the loss up so float16's small gradients do not round to zero.
+    scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
 
-    first_epoch = load_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
+    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
     metrics = MetricsLog(output, ctx, first_epoch)
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
-        train_one_epoch(model, train_loader, optimizer, epoch, cfg, ctx, metrics)
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
     print0(ctx, "Done!")
 
     save_weights(model, output / "model.pth")

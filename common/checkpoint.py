@@ -13,7 +13,8 @@ from common.ranks import all_reduce_sum, print0
 SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v2"
 # The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones.
 # The world size, device, data folder and --epochs may change: the same global batch trains the same model.
-TRAJECTORY_FLAGS = ("batch_size", "lr", "seed", "train_samples")
+# --accum-steps may change too (the same global batch), --precision may not (bf16 steps are not fp32 steps).
+TRAJECTORY_FLAGS = ("batch_size", "lr", "seed", "train_samples", "precision")
 
 
 def prepare_output(folder, flag="--output"):
@@ -57,7 +58,7 @@ def save_weights(model, path):
     atomic_save(model.state_dict(), path)
 
 
-def save_snapshot(model, optimizer, epochs_done, cfg, ctx):
+def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx):
     """With --snapshot, every --save-every epochs and after the last: rank 0 writes one, every rank waits for it.
 
     The wait is a sum of "written" flags, so when rank 0 cannot write (full disk, read-only folder) all ranks
@@ -70,7 +71,8 @@ def save_snapshot(model, optimizer, epochs_done, cfg, ctx):
     if ctx.is_main:
         snapshot = dict(format=SNAPSHOT_FORMAT, epochs_done=epochs_done,
                         model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
-                        optimizer=optimizer.state_dict(), config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS})
+                        optimizer=optimizer.state_dict(), config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS},
+                        scaler=scaler.state_dict() if scaler else None)  # fp16's loss scale, grown over the steps
         try:
             atomic_save(snapshot, cfg.snapshot)
         except FatalError as e:
@@ -82,7 +84,7 @@ def save_snapshot(model, optimizer, epochs_done, cfg, ctx):
         raise FatalError(f"rank 0 could not write the snapshot {cfg.snapshot} (see its error)")
 
 
-def load_snapshot(model, optimizer, cfg, ctx):
+def load_snapshot(model, optimizer, scaler, cfg, ctx):
     """With --snapshot FILE and FILE there: load it into model and optimizer, return the epochs it holds; else 0."""
     if not cfg.snapshot:
         return 0
@@ -101,6 +103,7 @@ def load_snapshot(model, optimizer, cfg, ctx):
     if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
         raise FatalError(f"{path} is not a snapshot of this tutorial (a model.pth or another program's file?); {fix}")
     made_with = snapshot["config"]
+    made_with.setdefault("precision", "fp32")  # snapshots from before --precision existed
     different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
     if different:
         theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
@@ -110,6 +113,8 @@ def load_snapshot(model, optimizer, cfg, ctx):
     try:
         getattr(model, "module", model).load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
+        if scaler and snapshot.get("scaler"):
+            scaler.load_state_dict(snapshot["scaler"])
     except (RuntimeError, ValueError, KeyError) as e:
         reason = str(e).strip().splitlines()[0]
         raise FatalError(f"snapshot {path} holds a different model ({reason}); {fix}") from None

@@ -26,6 +26,9 @@ class Config:
     timeout: float = 120.0  # seconds a rendezvous or collective may wait: a missing peer fails, never hangs
     snapshot: Optional[str] = None  # file to resume from (if it exists) and to save to every save_every epochs
     save_every: int = 1  # epochs between snapshots (with --snapshot)
+    accum_steps: int = 1  # micro-batches summed per optimizer step; the global batch stays --batch-size
+    precision: str = "fp32"  # fp32, bf16 (autocast, CPU or GPU) or fp16 (autocast + GradScaler, GPU only)
+    compile: bool = False  # torch.compile the model (after the DDP wrap in the DDP chapters)
     # Chapter flags: only the chapters that need them accept them (see CHAPTER_FLAGS).
     nprocs: Optional[int] = None  # ddp_mp.py: processes to spawn on this machine
     init_method: Optional[str] = None  # ddp_tcp_manual.py: tcp://HOST:PORT or file:///path
@@ -39,6 +42,9 @@ class Config:
         shown = {k: v for k, v in items if k not in CHAPTER_FLAGS or v is not None}
         if self.snapshot is None:  # no snapshots: their settings change nothing
             del shown["snapshot"], shown["save_every"]
+        for name in ("accum_steps", "precision", "compile"):  # shown when used: the quickstart's line otherwise
+            if shown[name] == getattr(Config, name):
+                del shown[name]
         return "Config: " + " ".join(f"{k}={v}" for k, v in shown.items())
 
 
@@ -104,6 +110,9 @@ def build_parser(description=None, chapter_flags=()):
     p.add_argument("--timeout", type=_positive_float, default=d.timeout, help="seconds to wait for peers at a rendezvous or collective (default %(default)s)")
     p.add_argument("--snapshot", default=d.snapshot, help="snapshot file: resume from it if it exists, save to it every --save-every epochs")
     p.add_argument("--save-every", type=_positive_int, default=None, help=f"epochs between snapshots (default {d.save_every}; needs --snapshot)")
+    p.add_argument("--accum-steps", type=_positive_int, default=d.accum_steps, help="sum the gradients of K micro-batches of batch-size / (world size x K) per optimizer step (default %(default)s)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision, help="fp32; bf16 autocast (CPU or GPU); fp16 autocast with a GradScaler (GPU only) (default %(default)s)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (on the CPU it needs a C++ compiler)")
     for name in chapter_flags:
         p.add_argument("--" + name.replace("_", "-"), required=name in ("init_method", "rank", "world_size"), **CHAPTER_FLAGS[name])
     return p
@@ -152,6 +161,12 @@ def parse_config(argv=None, description=None, chapter_flags=()):
         parser.error(f"--rank {cfg.rank} must be below --world-size {cfg.world_size} (ranks count from 0)")
     if cfg.init_method is not None and not _valid_init_method(cfg.init_method):
         parser.error(f"--init-method {cfg.init_method!r}: use tcp://HOST:PORT (rank 0's address) or file:///shared/path")
+    if cfg.batch_size % cfg.accum_steps:
+        parser.error(f"--batch-size {cfg.batch_size} must split into --accum-steps {cfg.accum_steps} equal micro-batches; "
+                     f"use a multiple of {cfg.accum_steps}")
+    if cfg.precision == "fp16" and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        parser.error("--precision fp16 needs a GPU (float16 autocast with a GradScaler); on the CPU use --precision "
+                     "bf16")
     if cfg.save_every is not None and cfg.snapshot is None:
         parser.error("--save-every needs --snapshot FILE (the file to save to and resume from)")
     cfg.save_every = cfg.save_every or Config.save_every

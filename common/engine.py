@@ -1,4 +1,7 @@
 """The one training step and evaluation every chapter calls: DDP changes what the model and sampler are, not this."""
+import contextlib
+import itertools
+import math
 import time
 
 import torch
@@ -7,6 +10,7 @@ from torch import nn
 from common.ranks import all_reduce_sum, print0
 
 loss_fn = nn.CrossEntropyLoss()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _sync(device):
@@ -15,39 +19,72 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def train_one_epoch(model, loader, optimizer, epoch, cfg, ctx, metrics):
-    """One pass over this rank's batches, printing the quickstart's loss lines and the epoch's time and mean loss."""
+def autocast(cfg, device):
+    """--precision bf16/fp16: matrix products run in 16 bits, the weights, optimizer and loss stay float32."""
+    return torch.autocast(device.type, dtype=DTYPES[cfg.precision], enabled=cfg.precision != "fp32")
+
+
+def steps_per_epoch(loader, cfg):
+    """Optimizer steps in one pass: each one takes --accum-steps of the loader's micro-batches (fewer at the end)."""
+    return math.ceil(len(loader) / cfg.accum_steps)
+
+
+def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
+    """One pass over this rank's batches, printing the quickstart's loss lines and the epoch's time and mean loss.
+
+    Each optimizer step sums the gradients of --accum-steps micro-batches (the loader's batches). Each micro-batch's
+    mean loss is weighted by its share of this rank's step, so the gradient is the mean over the step's images, as
+    one big batch would give (the last step of an epoch may be short). Under DDP all micro-batches but the last run
+    in model.no_sync(): the gradients just add up locally, and the last backward() all-reduces the sum, once per
+    step. scaler: a torch.amp.GradScaler (--precision fp16) or None.
+    """
     model.train()
     size = len(loader.dataset)  # the whole training set, not this rank's share
+    steps = steps_per_epoch(loader, cfg)
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP has it; one process needs no all-reduce
     loss_sum = torch.zeros((), device=ctx.device)  # summed on the device: no host sync per step
     seen = 0
     _sync(ctx.device)
     start = time.perf_counter()
-    for batch, (X, y) in enumerate(loader):
-        pred = model(X)
-        loss = loss_fn(pred, y)
-        loss.backward()  # under DDP this also averages the gradients over all ranks
-        optimizer.step()
+    batches = iter(loader)
+    for step in range(steps):
+        micro = list(itertools.islice(batches, cfg.accum_steps))  # this step's micro-batches (already on the device)
+        images = sum(len(y) for _, y in micro)  # this rank's share of the global batch
+        step_loss = torch.zeros((), device=ctx.device)
+        for i, (X, y) in enumerate(micro):
+            with no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                with autocast(cfg, ctx.device):
+                    loss = loss_fn(model(X), y) * (len(y) / images)  # x 1.0 without accumulation: unchanged
+                (scaler.scale(loss) if scaler else loss).backward()  # the last one: DDP averages over the ranks
+            step_loss += loss.detach()
+        if scaler:
+            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed, then lowers the scale
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad()
-        loss_sum.add_(loss.detach(), alpha=len(y))  # one fused op, no temporary
-        seen += len(y)
-        if batch % cfg.log_every == 0:
+        loss_sum.add_(step_loss, alpha=images)  # one fused op, no temporary
+        seen += images
+        if step % cfg.log_every == 0:
             # Every rank joins the reduction; rank 0 prints the loss of the whole global batch.
-            total, count = all_reduce_sum([loss.detach() * len(y), len(y)], ctx)
-            print0(ctx, f"loss: {total / count:>7f}  [{batch * cfg.batch_size:>5d}/{size:>5d}]")
-            metrics.write("train", epoch + 1, step=epoch * len(loader) + batch + 1,
-                          samples=epoch * size + min((batch + 1) * cfg.batch_size, size), loss=round(total / count, 6))
+            total, count = all_reduce_sum([step_loss * images, images], ctx)
+            print0(ctx, f"loss: {total / count:>7f}  [{step * cfg.batch_size:>5d}/{size:>5d}]")
+            metrics.write("train", epoch + 1, step=epoch * steps + step + 1,
+                          samples=epoch * size + min((step + 1) * cfg.batch_size, size), loss=round(total / count, 6))
     total, count = all_reduce_sum([loss_sum, seen], ctx)
     _sync(ctx.device)
     seconds = time.perf_counter() - start
     print0(ctx, f"Train time: {seconds:.2f}s ({count / seconds:.0f} samples/s), train loss: {total / count:>7f}")
-    metrics.note(step=(epoch + 1) * len(loader), train_loss=total / count, train_seconds=seconds,
+    metrics.note(step=(epoch + 1) * steps, train_loss=total / count, train_seconds=seconds,
                  samples_per_second=count / seconds)
 
 
 @torch.no_grad()
 def evaluate(model, loader, epoch, ctx, metrics):
-    """Accuracy and mean loss over the whole test set: each rank counts its shard, the counts are summed."""
+    """Accuracy and mean loss over the whole test set: each rank counts its shard, the counts are summed.
+
+    Always in float32, whatever --precision trained the (float32) weights: the figure measures the model itself.
+    """
     model.eval()
     loss_sum = torch.zeros((), device=ctx.device)
     correct = torch.zeros((), dtype=torch.long, device=ctx.device)

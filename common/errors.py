@@ -55,6 +55,10 @@ _EXPLAINED = [
         f"no rendezvous at {m[2]}:{m[3]} within {_seconds(m[1])}: {NO_RANK0}")),
     (r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", lambda m, text: (
         f"only {m[2]} of {m[3]} processes reached the rendezvous within {m[1]}s: {MISSING_PEERS}")),
+    # --compile on the CPU: Inductor builds its kernels with the C++ compiler in $CXX (default g++).
+    (r"No working C\+\+ compiler found", lambda m, text: (
+        f"--compile needs a working C++ compiler to build its CPU kernels (g++, or the one $CXX names) and found "
+        f"none: install one (`apt-get install g++`, as `make tools` does), or run without --compile")),
     # NCCL: two ranks of one machine were given the same GPU.
     (r"Duplicate GPU detected ?: rank (\d+) and rank (\d+) both on CUDA device (\w+)", lambda m, text: (
         f"ranks {m[1]} and {m[2]} are on the same GPU, and NCCL needs one GPU per rank: start at most one process "

@@ -74,11 +74,13 @@ def free_port(host="127.0.0.1"):
         return s.getsockname()[1]
 
 
-def check_global_batch(batch_size, world_size):
-    """--batch-size is the global batch, so it must split evenly over the ranks."""
-    if batch_size % world_size:
-        raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over {world_size} "
-                         f"ranks; use a multiple of {world_size}, e.g. {batch_size // world_size * world_size or world_size}")
+def check_global_batch(batch_size, world_size, accum_steps=1):
+    """--batch-size is the global batch, so it must split evenly over the ranks and their --accum-steps micro-batches."""
+    parts = world_size * accum_steps
+    if batch_size % parts:
+        split = f"{world_size} ranks" + (f" x {accum_steps} micro-batches" if accum_steps > 1 else "")
+        raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over {split}; "
+                         f"use a multiple of {parts}, e.g. {batch_size // parts * parts or parts}")
 
 
 def check_rendezvous(init_method, rank, timeout):
@@ -121,7 +123,8 @@ def cpu_threads(ranks_here):
 
 # Flags every rank must share: with others, the ranks take different numbers of steps or collectives, and gloo
 # aborts the process (SIGABRT) on the first mismatched one. --data-dir, --output and --device may differ.
-SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "seed", "train_samples", "test_samples", "log_every", "save_every")
+SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "seed", "train_samples", "test_samples", "log_every", "save_every",
+                      "accum_steps", "precision", "compile")
 
 
 def meet_the_group(cfg, ctx):

@@ -19,6 +19,9 @@ Cases (each in its own subprocess, so each has a fresh interpreter and its own p
   (k) torchrun_1   the real `ddp_launch.py` under `torchrun --standalone --nproc-per-node 1`
   (l) tcp_2        the real `ddp_tcp_manual.py`, ranks 0 and 1 started by hand on 127.0.0.1
   (m) tcp_1        the real `ddp_tcp_manual.py --world-size 1`
+  (n) bf16         the real `single_gpu.py --precision bf16` (bf16 autocast)
+  (o) compile      the real `single_gpu.py --compile`; the best epoch is after the compiling one
+  (p) torchrun_2_compile  the real `ddp_launch.py --compile` under torchrun, 2 processes
 The DDP floor is (g) + (h): what a 2-rank step costs if DDP added nothing to compute and communication.
 On a GPU the 2-rank rows need 2 GPUs and are skipped with a line otherwise.
 
@@ -349,6 +352,11 @@ CASES = [
     Case("torchrun_1", "(k) torchrun ddp_launch.py, 1 process", 1, chapter(TORCHRUN_1, "ddp_launch.py"), parse_fit_log),
     Case("tcp_2", "(l) ddp_tcp_manual.py, 2 by hand", 2, tcp_pair, parse_fit_log),
     Case("tcp_1", "(m) ddp_tcp_manual.py, 1 rank", 1, lambda ws: tcp_ranks(ws, 1)[0], parse_fit_log),
+    Case("bf16", "(n) single_gpu.py --precision bf16", 1, chapter(PY, "single_gpu.py", "--precision", "bf16"),
+         parse_fit_log),
+    Case("compile", "(o) single_gpu.py --compile", 1, chapter(PY, "single_gpu.py", "--compile"), parse_fit_log),
+    Case("torchrun_2_compile", "(p) torchrun ddp_launch.py --compile", 2,
+         chapter(TORCHRUN, "ddp_launch.py", "--compile"), parse_fit_log),
 ]
 CASES_BY_KEY = {case.key: case for case in CASES}
 # A row that is not run but added up: the 2-rank DDP floor = (g) compute + (h) all-reduce, each measured alone.
@@ -357,7 +365,8 @@ FLOOR_KEYS = {"floor", "ddp_compute", "allreduce", "ddp_manual", "ddp_floor"}  #
 
 # Targets: (numerator, denominator, at most) on best epoch time; None: the ratio is shown, with no target.
 TIME_TARGETS = [("single_gpu", "quickstart", 0.35), ("single_gpu", "floor", 1.10), ("ddp_mp_2", "ddp_floor", 1.15),
-                ("torchrun_2", "ddp_floor", 1.15), ("ddp_mp_2", "ddp_manual", None)]
+                ("torchrun_2", "ddp_floor", 1.15), ("ddp_mp_2", "ddp_manual", None), ("bf16", "single_gpu", None),
+                ("compile", "single_gpu", None), ("torchrun_2_compile", "torchrun_2", None)]
 RSS_TARGETS = [("single_gpu", "quickstart")]
 
 

@@ -18,9 +18,9 @@ DDP_CHAPTERS = ["ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py
 SAME_MODEL = 1e-5
 
 
-def launch(kind, world, real_data, out, procs, timeout=60):
+def launch(kind, world, real_data, out, procs, timeout=60, extra=()):
     """Train with chapter `kind` on `world` ranks; returns (returncodes, stdout of all, stderr of all)."""
-    args = [*slice_args(real_data, out), "--timeout", str(timeout)]
+    args = [*slice_args(real_data, out), "--timeout", str(timeout), *extra]
     port = free_port()
     if kind == "mp":
         ps = [procs.start([sys.executable, "ddp_mp.py", "--nprocs", str(world), *args])]

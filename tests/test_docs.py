@@ -287,6 +287,11 @@ MAKE_IT_PRINT = {
     "The connection to the C10d store has failed": "tests/test_multinode.py::test_c10d_endpoint_on_a_second_address_needs_is_host",
     "is busy": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp(f"tcp://127.0.0.1:{_held_port(stack)}"), {}),
     "must split evenly over 3 ranks": lambda tmp, stack: ("ddp_mp.py", ["--nprocs", "3"], {}),
+    "must split into --accum-steps": lambda tmp, stack: ("single_gpu.py", ["--batch-size", "48", "--accum-steps", "5"], {}),
+    "--precision fp16 needs a GPU": lambda tmp, stack: ("single_gpu.py", ["--precision", "fp16"], {}),
+    "--compile needs a working C++ compiler": lambda tmp, stack: (
+        "single_gpu.py", ["--data-dir", _fake_data(tmp), "--compile", "--epochs", "1"],
+        dict(CXX="/nonexistent/g++", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")),
     "must be below --world-size": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp("tcp://127.0.0.1:1", rank=2), {}),
     "is left over from an earlier run": lambda tmp, stack: (
         "ddp_tcp_manual.py", _tcp(f"file://{stale_rendezvous_file(tmp)}"), {}),

@@ -217,10 +217,10 @@ NO_SYNC = textwrap.dedent("""
     model = NeuralNetwork().to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     metrics = MetricsLog(None, ctx)
-    engine.train_one_epoch(model, loader, optimizer, 0, cfg, ctx, metrics)  # warm-up: cuBLAS, the allocator
+    engine.train_one_epoch(model, loader, optimizer, None, 0, cfg, ctx, metrics)  # warm-up: cuBLAS, the allocator
     sampler.set_epoch(1)
     torch.cuda.set_sync_debug_mode("error")
-    engine.train_one_epoch(model, loader, optimizer, 1, cfg, ctx, metrics)
+    engine.train_one_epoch(model, loader, optimizer, None, 1, cfg, ctx, metrics)
     torch.cuda.set_sync_debug_mode(0)
     print("no host sync in", len(loader), "steps")
 """)

@@ -40,7 +40,7 @@ def test_the_epoch_loop_learns_and_logs(tmp_path, capsys):
     metrics = MetricsLog(tmp_path, ctx)
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)
-        train_one_epoch(model, train_loader, optimizer, epoch, cfg, ctx, metrics)
+        train_one_epoch(model, train_loader, optimizer, None, epoch, cfg, ctx, metrics)
         accuracy, _ = evaluate(model, test_loader, epoch, ctx, metrics)
     assert accuracy > 0.9
     epochs = [r for r in read_metrics(tmp_path) if r["kind"] == "epoch"]
