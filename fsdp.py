@@ -13,7 +13,9 @@ on every rank and all-reduces the gradients, FSDP2 keeps 1/world_size of every w
 layer's weights just before it runs, frees them after, and reduce-scatters the gradients so each rank gets the
 averaged gradient of its own slice only.
 """
+import math
 import os
+import re
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -56,8 +58,9 @@ def train(cfg, ctx):
     train_loader = make_loader(train_set, cfg.batch_size // ctx.world_size, train_sampler)
     # Every forward() all-gathers weights, a collective: all ranks must run as many test batches. The shards
     # differ by one image at most, so batches sized from the largest shard come out the same number everywhere.
-    largest = -(-len(test_set) // ctx.world_size)
-    test_loader = make_loader(test_set, -(-largest // -(-largest // 1000)), ShardSampler(test_set, ctx.rank, ctx.world_size))
+    largest = math.ceil(len(test_set) / ctx.world_size)  # rank 0's shard
+    test_batch = math.ceil(largest / math.ceil(largest / 1000))  # at most 1000
+    test_loader = make_loader(test_set, test_batch, ShardSampler(test_set, ctx.rank, ctx.world_size))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
@@ -107,7 +110,8 @@ def _snapshot_failure(error):
     """The first line of the first rank's error inside torch.distributed.checkpoint's CheckpointException."""
     failures = getattr(error, "failures", None) or {}
     first = next(iter(failures.values()), (error, None))[0]
-    return f"{type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''}".rstrip(": ")
+    sentence = re.split(r"(?<=\.)\s|;\s", str(first).strip())[0]  # torch's messages run on for several sentences
+    return f"{type(first).__name__}: {sentence}" if sentence else type(first).__name__
 
 
 def save_sharded_snapshot(model, optimizer, epochs_done, cfg, ctx):
@@ -215,6 +219,9 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its machine: it picks the GPU
     world_size = int(os.environ["WORLD_SIZE"])  # processes over all machines
     check_global_batch(cfg.batch_size, world_size)
+    if cfg.test_samples is not None and cfg.test_samples < world_size:  # a rank with no test image would skip forward()
+        raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {world_size} ranks: under FSDP every rank "
+                         f"must run every test batch (forward() gathers the weights); use at least {world_size}")
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))  # cuda:<local_rank>, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
