@@ -19,6 +19,7 @@ Cases (each in its own subprocess, so each has a fresh interpreter and its own p
   (k) torchrun_1   the real `ddp_launch.py` under `torchrun --standalone --nproc-per-node 1`
   (l) tcp_2        the real `ddp_tcp_manual.py`, ranks 0 and 1 started by hand on 127.0.0.1
   (m) tcp_1        the real `ddp_tcp_manual.py --world-size 1`
+  (n) fsdp_2       the real `fsdp.py` (FSDP2) under `torchrun --standalone --nproc-per-node 2`
 The DDP floor is (g) + (h): what a 2-rank step costs if DDP added nothing to compute and communication.
 On a GPU the 2-rank rows need 2 GPUs and are skipped with a line otherwise.
 
@@ -349,6 +350,7 @@ CASES = [
     Case("torchrun_1", "(k) torchrun ddp_launch.py, 1 process", 1, chapter(TORCHRUN_1, "ddp_launch.py"), parse_fit_log),
     Case("tcp_2", "(l) ddp_tcp_manual.py, 2 by hand", 2, tcp_pair, parse_fit_log),
     Case("tcp_1", "(m) ddp_tcp_manual.py, 1 rank", 1, lambda ws: tcp_ranks(ws, 1)[0], parse_fit_log),
+    Case("fsdp_2", "(n) torchrun fsdp.py", 2, chapter(TORCHRUN, "fsdp.py"), parse_fit_log),
 ]
 CASES_BY_KEY = {case.key: case for case in CASES}
 # A row that is not run but added up: the 2-rank DDP floor = (g) compute + (h) all-reduce, each measured alone.
@@ -357,7 +359,8 @@ FLOOR_KEYS = {"floor", "ddp_compute", "allreduce", "ddp_manual", "ddp_floor"}  #
 
 # Targets: (numerator, denominator, at most) on best epoch time; None: the ratio is shown, with no target.
 TIME_TARGETS = [("single_gpu", "quickstart", 0.35), ("single_gpu", "floor", 1.10), ("ddp_mp_2", "ddp_floor", 1.15),
-                ("torchrun_2", "ddp_floor", 1.15), ("ddp_mp_2", "ddp_manual", None)]
+                ("torchrun_2", "ddp_floor", 1.15), ("ddp_mp_2", "ddp_manual", None),
+                ("fsdp_2", "torchrun_2", None)]  # FSDP's gathers and reduce-scatters against DDP's one all-reduce
 RSS_TARGETS = [("single_gpu", "quickstart")]
 
 
