@@ -22,6 +22,7 @@ Cases (each in its own subprocess, so each has a fresh interpreter and its own p
   (n) bf16         the real `single_gpu.py --precision bf16` (bf16 autocast)
   (o) compile      the real `single_gpu.py --compile`; the best epoch is after the compiling one
   (p) torchrun_2_compile  the real `ddp_launch.py --compile` under torchrun, 2 processes
+  (q) fsdp_2       the real `fsdp.py` (FSDP2) under `torchrun --standalone --nproc-per-node 2`
 The DDP floor is (g) + (h): what a 2-rank step costs if DDP added nothing to compute and communication.
 On a GPU the 2-rank rows need 2 GPUs and are skipped with a line otherwise.
 
@@ -357,6 +358,7 @@ CASES = [
     Case("compile", "(o) single_gpu.py --compile", 1, chapter(PY, "single_gpu.py", "--compile"), parse_fit_log),
     Case("torchrun_2_compile", "(p) torchrun ddp_launch.py --compile", 2,
          chapter(TORCHRUN, "ddp_launch.py", "--compile"), parse_fit_log),
+    Case("fsdp_2", "(q) torchrun fsdp.py", 2, chapter(TORCHRUN, "fsdp.py"), parse_fit_log),
 ]
 CASES_BY_KEY = {case.key: case for case in CASES}
 # A row that is not run but added up: the 2-rank DDP floor = (g) compute + (h) all-reduce, each measured alone.
@@ -366,7 +368,8 @@ FLOOR_KEYS = {"floor", "ddp_compute", "allreduce", "ddp_manual", "ddp_floor"}  #
 # Targets: (numerator, denominator, at most) on best epoch time; None: the ratio is shown, with no target.
 TIME_TARGETS = [("single_gpu", "quickstart", 0.35), ("single_gpu", "floor", 1.10), ("ddp_mp_2", "ddp_floor", 1.15),
                 ("torchrun_2", "ddp_floor", 1.15), ("ddp_mp_2", "ddp_manual", None), ("bf16", "single_gpu", None),
-                ("compile", "single_gpu", None), ("torchrun_2_compile", "torchrun_2", None)]
+                ("compile", "single_gpu", None), ("torchrun_2_compile", "torchrun_2", None),
+                ("fsdp_2", "torchrun_2", None)]  # FSDP's gathers and reduce-scatters against DDP's one all-reduce
 RSS_TARGETS = [("single_gpu", "quickstart")]
 
 
