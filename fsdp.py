@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
 from common.checkpoint import TRAJECTORY_FLAGS, atomic_save, prepare_output
@@ -55,7 +55,7 @@ def train(cfg, ctx):
     # Each rank takes every world_size-th image of chapter 1's shuffle, batch_size / world_size at a time, so
     # the ranks' k-th batches together are chapter 1's k-th batch. Each rank tests a disjoint shard.
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg.batch_size // ctx.world_size, train_sampler)
+    train_loader = make_loader(train_set, cfg.batch_size // (ctx.world_size * cfg.accum_steps), train_sampler)
     # Every forward() all-gathers weights, a collective: all ranks must run as many test batches. The shards
     # differ by one image at most, so batches sized from the largest shard come out the same number everywhere.
     largest = math.ceil(len(test_set) / ctx.world_size)  # rank 0's shard
@@ -68,11 +68,15 @@ def train(cfg, ctx):
     # forward() all-gathers the whole weight just before it runs and frees it after; its backward() reduce-scatters
     # the gradient, so each rank receives the average over the ranks of its own slice. The root unit comes last.
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # the ranks to shard over: all of them
-    fsdp_kwargs = dict(mesh=mesh)  # fp32 throughout: gather, compute and reduce in the weights' own dtype
+    fsdp_kwargs = dict(mesh=mesh)  # fp32: gather, compute and reduce in the weights' own dtype
+    if cfg.precision == "bf16":  # gather the weights as bf16 and compute in bf16; average the gradients in fp32
+        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.linear_relu_stack:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
+    if cfg.compile:  # after fully_shard: Dynamo traces through FSDP2's hooks, the gathers stay where they are
+        model.compile()
     print0(ctx, model)
     show_parameter_bytes(model, ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)  # after fully_shard: it steps this rank's slices
@@ -82,7 +86,7 @@ def train(cfg, ctx):
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch (without it, every epoch is epoch 0's)
-        train_one_epoch(model, train_loader, optimizer, epoch, cfg, ctx, metrics)
+        train_one_epoch(model, train_loader, optimizer, None, epoch, cfg, ctx, metrics)  # None: no GradScaler
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
     print0(ctx, "Done!")
@@ -218,7 +222,10 @@ def main():
     rank = int(os.environ["RANK"])  # global: 0 .. world_size - 1 over all machines; rank 0 prints and saves
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its machine: it picks the GPU
     world_size = int(os.environ["WORLD_SIZE"])  # processes over all machines
-    check_global_batch(cfg.batch_size, world_size)
+    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
+    if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
+        raise UsageError("fsdp.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
+                         "gradient slices for overflow, which this chapter does not have: use --precision bf16")
     if cfg.test_samples is not None and cfg.test_samples < world_size:  # a rank with no test image would skip forward()
         raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {world_size} ranks: under FSDP every rank "
                          f"must run every test batch (forward() gathers the weights); use at least {world_size}")

@@ -29,19 +29,40 @@ def steps_per_epoch(loader, cfg):
     return math.ceil(len(loader) / cfg.accum_steps)
 
 
+@contextlib.contextmanager
+def gradient_sync(model, sync):
+    """Around one micro-batch's forward and backward: let DDP / FSDP2 send the gradients (sync) or hold them back.
+
+    DDP holds them back in model.no_sync(); FSDP2 with set_requires_gradient_sync(False), keeping the unsharded
+    gradients until the last micro-batch's backward() reduce-scatters their sum. One process has nothing to send.
+    """
+    if sync:
+        yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
 def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
     """One pass over this rank's batches, printing the quickstart's loss lines and the epoch's time and mean loss.
 
     Each optimizer step sums the gradients of --accum-steps micro-batches (the loader's batches). Each micro-batch's
     mean loss is weighted by its share of this rank's step, so the gradient is the mean over the step's images, as
-    one big batch would give (the last step of an epoch may be short). Under DDP all micro-batches but the last run
-    in model.no_sync(): the gradients just add up locally, and the last backward() all-reduces the sum, once per
-    step. scaler: a torch.amp.GradScaler (--precision fp16) or None.
+    one big batch would give (the last step of an epoch may be short). Under DDP and FSDP2 all micro-batches but
+    the last hold their gradients back (gradient_sync): they add up locally, and the last backward() sends the sum,
+    once per step. scaler: a torch.amp.GradScaler (--precision fp16) or None.
     """
     model.train()
     size = len(loader.dataset)  # the whole training set, not this rank's share
     steps = steps_per_epoch(loader, cfg)
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP has it; one process needs no all-reduce
     loss_sum = torch.zeros((), device=ctx.device)  # summed on the device: no host sync per step
     seen = 0
     _sync(ctx.device)
@@ -52,7 +73,7 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
         images = sum(len(y) for _, y in micro)  # this rank's share of the global batch
         step_loss = torch.zeros((), device=ctx.device)
         for i, (X, y) in enumerate(micro):
-            with no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+            with gradient_sync(model, i == len(micro) - 1):
                 with autocast(cfg, ctx.device):
                     loss = loss_fn(model(X), y) * (len(y) / images)  # x 1.0 without accumulation: unchanged
                 (scaler.scale(loss) if scaler else loss).backward()  # the last one: DDP averages over the ranks

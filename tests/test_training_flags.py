@@ -13,11 +13,17 @@ from test_ddp import SAME_MODEL, _accuracy_lines, launch
 
 # --accum-steps K at 1, 2 and 3 ranks (K = 1 is test_ddp's): the same 48-image global batch as chapter 1.
 ACCUM = [("single", 1, 2), ("single", 1, 4), ("mp", 1, 4), ("torchrun", 2, 2), ("tcp", 2, 4), ("mp", 3, 2),
-         ("torchrun", 3, 4)]
+         ("torchrun", 3, 4), ("fsdp", 2, 2)]
 
 
 def train(kind, world, real_data, out, procs, *flags):
     """One run of chapter 1 (kind "single", "dataparallel") or a DDP chapter; returns its stdout (asserts exit 0)."""
+    if kind == "fsdp":
+        p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "fsdp.py",
+                         *slice_args(real_data, out), "--timeout", "60", *flags])
+        code, log, err = procs.wait(p)
+        assert code == 0, err
+        return log
     if kind in ("single", "dataparallel"):
         script = "single_gpu.py" if kind == "single" else "dataparallel.py"
         p = procs.start([sys.executable, script, *slice_args(real_data, out), *flags])
@@ -71,7 +77,8 @@ def test_flags_that_cannot_work_are_one_line(argv, needle):
 BF16 = ["--lr", "0.05"]
 # Measured on this project's CPU (torch 2.14.1): chapter 1 at bf16 against fp32, max |w| difference 8.7e-4; the
 # chapters at bf16 against chapter 1 at bf16: 0 (chapter 2), 5.4e-4 to 1.3e-3 (DDP at 2-3 ranks: each rank rounds
-# its half batch's products to bf16 by itself). Allowed: 4x that, and the test accuracy within 1 point.
+# its half batch's products to bf16 by itself; FSDP2 at 2 ranks with MixedPrecisionPolicy: 1.3e-3). Allowed: 4x
+# that, and the test accuracy within 1 point.
 BF16_AGREEMENT = 5e-3
 
 
@@ -91,7 +98,8 @@ def _accuracies(log):
     return [float(x) for x in re.findall(r"Accuracy: ([\d.]+)%", log)]
 
 
-@pytest.mark.parametrize("kind,world", [("single", 1), ("dataparallel", 1), ("torchrun", 2), ("mp", 3), ("tcp", 2)])
+@pytest.mark.parametrize("kind,world", [("single", 1), ("dataparallel", 1), ("torchrun", 2), ("mp", 3), ("tcp", 2),
+                                        ("fsdp", 2)])
 def test_bf16_through_every_launcher(kind, world, bf16_reference, real_data, tmp_path, procs):
     """bf16 ends within 1 point of fp32's accuracy, and within BF16_AGREEMENT of chapter 1's bf16 weights."""
     log = train(kind, world, real_data, tmp_path / "run", procs, *BF16, "--precision", "bf16")
