@@ -10,6 +10,8 @@ The master is the first host of SLURM_JOB_NODELIST, on a port derived from SLURM
 MASTER_PORT override them), so every task computes the same tcp:// address without talking to the others.
 """
 import os
+import signal
+import threading
 from datetime import timedelta
 
 import torch
@@ -24,8 +26,13 @@ from common.engine import evaluate, train_one_epoch
 from common.errors import run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import DistContext, check_global_batch, check_rendezvous, meet_the_group, print0, rank_device
+from common.ranks import (DistContext, all_reduce_sum, check_global_batch, check_rendezvous, meet_the_group, print0,
+                          rank_device)
 from common.slurm import check_srun_task, slurm_master
+
+
+# Set by SIGUSR1, which SLURM sends ahead of the time limit (scripts/job.sh): stop after this epoch, come back later.
+stop_requested = threading.Event()
 
 
 def train(cfg, ctx):
@@ -57,6 +64,13 @@ def train(cfg, ctx):
         train_one_epoch(model, train_loader, optimizer, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        # Every rank adds its flag, so all of them stop after the same epoch (or none does), and only after an epoch
+        # the snapshot holds: the requeued job resumes from it. Without --snapshot there is nothing to resume: go on.
+        (warned,) = all_reduce_sum([stop_requested.is_set()], ctx)
+        if warned and cfg.snapshot and (epoch + 1) % cfg.save_every == 0 and epoch + 1 < cfg.epochs:
+            print0(ctx, f"Stopping after epoch {epoch + 1} of {cfg.epochs} (SIGUSR1: the time limit is near); "
+                        f"{cfg.snapshot} holds it")
+            return
     print0(ctx, "Done!")
 
     if ctx.is_main:  # one copy: rank 0 saves model.module, the plain model inside DDP (no `module.` prefix)
@@ -74,6 +88,7 @@ def main():
     device = rank_device(cfg.device, local_rank)  # cuda:<local_rank>, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
+    signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.set())  # before the first epoch
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     # Every task computes the same address by itself: the job's first node, on a port from the job id.
     master_addr, master_port = slurm_master()
