@@ -12,6 +12,8 @@
 
 torchrun sets RANK (global), LOCAL_RANK (index on this node, picks the GPU), WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; `init_method="env://"` reads them. No --local_rank argument, no hard-coded addresses.
+SIGUSR1 (scripts/job_torchrun.sh asks SLURM for it before the time limit) makes every worker stop after the
+epoch, at a --snapshot.
 """
 import os
 import signal

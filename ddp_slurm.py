@@ -4,10 +4,12 @@
     sbatch scripts/job.sh --epochs 1            # flags after the script go to ddp_slurm.py
     sbatch --nodes 1 --ntasks-per-node 2 --gpus-per-node 0 --cpus-per-task 1 scripts/job.sh   # a CPU-only cluster
     srun --nodes 1 --ntasks-per-node 2 python ddp_slurm.py   # interactively, inside or as an allocation
+    sbatch scripts/job.sh --snapshot runs/ddp_slurm/snap.pt   # longer than the time limit: requeued, resumes
 
 SLURM_PROCID is the global rank, SLURM_NTASKS the world size, SLURM_LOCALID the local rank (it picks the GPU).
 The master is the first host of SLURM_JOB_NODELIST, on a port derived from SLURM_JOB_ID (MASTER_ADDR and
 MASTER_PORT override them), so every task computes the same tcp:// address without talking to the others.
+SIGUSR1 (job.sh asks SLURM for it before the time limit) makes every rank stop after the epoch, at a snapshot.
 """
 import os
 import signal

@@ -5,6 +5,8 @@
 #   sbatch scripts/job.sh                   # from the repository root: 2 nodes x 4 GPUs, as below
 #   sbatch scripts/job.sh --epochs 1        # anything after the script is passed on to ddp_slurm.py
 #   sbatch --nodes 4 scripts/job.sh         # options on the command line override the #SBATCH lines
+#   # longer than the time limit: stop before it, requeue, resume from the snapshot (docs/slurm.md)
+#   sbatch scripts/job.sh --snapshot runs/ddp_slurm/snap.pt
 #   # a CPU-only cluster (how the tests submit it): no GPUs, 2 single-core tasks on one node
 #   sbatch --nodes 1 --ntasks-per-node 2 --cpus-per-task 1 --gpus-per-node 0 scripts/job.sh
 #
@@ -38,7 +40,7 @@ wait "$step"; status=$?
 while [ -n "$warned" ] && [ "$status" = 138 ]; do wait "$step"; status=$?; done  # 138: wait cut short by the trap
 if [ -n "$warned" ] && [ "$status" = 0 ]; then
     case " $* " in
-        *" --snapshot"*) echo "job.sh: stopped before the time limit; requeueing job $SLURM_JOB_ID"
+        *" --snapshot"*) echo "job.sh: warned before the time limit; requeueing job $SLURM_JOB_ID"
                          scontrol requeue "$SLURM_JOB_ID" ;;
         *) echo "job.sh: SIGUSR1 came, but without --snapshot there is nothing to resume from: not requeued" ;;
     esac

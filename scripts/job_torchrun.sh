@@ -4,6 +4,7 @@
 #
 #   sbatch scripts/job_torchrun.sh                  # from the repository root: 2 nodes x 4 GPUs, as below
 #   sbatch scripts/job_torchrun.sh --epochs 1       # anything after the script is passed on to ddp_launch.py
+#   sbatch scripts/job_torchrun.sh --snapshot runs/ddp_launch/snap.pt   # requeued before the time limit, resumes
 #   # a CPU-only cluster (how the tests submit it): one node, 2 CPU workers
 #   NPROC_PER_NODE=2 sbatch --nodes 1 --cpus-per-task 2 --gpus-per-node 0 scripts/job_torchrun.sh
 #
@@ -42,7 +43,7 @@ wait "$step"; status=$?
 while [ -n "$warned" ] && [ "$status" = 138 ]; do wait "$step"; status=$?; done  # 138: wait cut short by the trap
 if [ -n "$warned" ] && [ "$status" = 0 ]; then
     case " $* " in
-        *" --snapshot"*) echo "job_torchrun.sh: stopped before the time limit; requeueing job $SLURM_JOB_ID"
+        *" --snapshot"*) echo "job_torchrun.sh: warned before the time limit; requeueing job $SLURM_JOB_ID"
                          scontrol requeue "$SLURM_JOB_ID" ;;
         *) echo "job_torchrun.sh: SIGUSR1 came, but without --snapshot there is nothing to resume from: not requeued" ;;
     esac

@@ -55,7 +55,7 @@ def test_a_warned_job_requeues_itself_and_ends_as_if_left_alone(slurm, real_data
     assert state["state"] == "COMPLETED" and state["fields"]["Restarts"] == "1", (state, log)
     # Both parts in one log (--open-mode=append): stopped after epoch 2, requeued, resumed with epoch 3.
     expected = [f"Stopping after epoch 2 of {EPOCHS} (SIGUSR1: the time limit is near); {snapshot} holds it",
-                f"{script}: stopped before the time limit; requeueing job {job_id}",
+                f"{script}: warned before the time limit; requeueing job {job_id}",
                 f"Resuming from {snapshot}: 2 of {EPOCHS} epochs done, continuing with epoch 3",
                 "Done!"]
     found = [line for line in log.splitlines() if line in expected]
@@ -69,20 +69,27 @@ def test_a_warned_job_requeues_itself_and_ends_as_if_left_alone(slurm, real_data
     assert accuracy_lines(log) == accuracy_lines(straight_log.read_text())
 
 
-def test_a_job_killed_without_warning_resumes_when_submitted_again(slurm, real_data, tmp_path):
+@pytest.mark.parametrize("how", ["cancelled", "preempted"])
+def test_a_job_stopped_without_warning_resumes_from_its_last_snapshot(slurm, real_data, tmp_path, how):
     args = run_args(real_data, tmp_path / "run")
     job_id, _, log_path = submit(slurm, "job.sh", CPU_JOB, args, tmp_path, wait=False)
     wait_for_line(slurm, job_id, log_path, "Epoch 2\n")
-    slurm.run("scancel", job_id)  # SIGTERM to every process, then SIGKILL: no SIGUSR1, no requeue
-    state = slurm.wait_job(job_id, timeout=60)
-    assert state["state"] == "CANCELLED" and state["fields"]["Restarts"] == "0", state
-    assert "Stopping after" not in log_path.read_text() and "requeueing" not in log_path.read_text()
-
-    again_id, rc, again_log = submit(slurm, "job.sh", CPU_JOB, args, tmp_path)
-    log = again_log.read_text()
-    assert rc == 0 and slurm.job_state(again_id)["state"] == "COMPLETED", log
+    if how == "cancelled":
+        slurm.run("scancel", job_id)  # SIGTERM to every process, then SIGKILL: no SIGUSR1, so no requeue
+        state = slurm.wait_job(job_id, timeout=60)
+        assert state["state"] == "CANCELLED" and state["fields"]["Restarts"] == "0", state
+        assert "Stopping after" not in log_path.read_text() and "requeueing" not in log_path.read_text()
+        job_id, _, log_path = submit(slurm, "job.sh", CPU_JOB, args, tmp_path)  # the user submits it again
+        restarts = "0"
+    else:
+        # What preemption does to a --requeue job under PreemptMode=REQUEUE: SLURM kills it and queues it again.
+        slurm.run("scontrol", "requeue", job_id)
+        restarts = "1"
+    state = slurm.wait_job(job_id, timeout=180)
+    log = log_path.read_text()
+    assert state["state"] == "COMPLETED" and state["fields"]["Restarts"] == restarts, (state, log)
     assert f"Resuming from {tmp_path / 'run' / 'snap.pt'}: 1 of {EPOCHS} epochs done, continuing with epoch 2" in log
-    assert log.count("Done!") == 1 and "Traceback" not in log
+    assert "Stopping after" not in log and log.count("Done!") == 1 and "Traceback" not in log, log
 
 
 @pytest.fixture(scope="module")
