@@ -20,7 +20,7 @@
 #SBATCH --gpus-per-node=4        # GPUs per machine: keep it equal to --ntasks-per-node
 #SBATCH --cpus-per-task=8        # CPU cores per task; ddp_slurm.py uses this many CPU threads
 #SBATCH --time=00:30:00          # wall-clock limit: SLURM stops the job after this
-#SBATCH --signal=B:USR1@180      # SIGUSR1 to this script 3 minutes before the limit: more than one epoch takes
+#SBATCH --signal=B:USR1@180      # SIGUSR1 to this script 3 minutes before the limit: longer than one epoch
 #SBATCH --requeue                # the job may go back into the queue (it does so itself, below; so may preemption)
 #SBATCH --open-mode=append       # a requeued job appends to its log, so the log holds every part
 #SBATCH --output=%x-%j.out       # the log, in the folder you submitted from: %x = job name, %j = job id

@@ -17,7 +17,7 @@
 #SBATCH --gpus-per-node=4        # GPUs per machine; torchrun starts one worker per GPU
 #SBATCH --cpus-per-task=32       # all the cores torchrun's workers share (each gets cpus / workers threads)
 #SBATCH --time=00:30:00          # wall-clock limit: SLURM stops the job after this
-#SBATCH --signal=B:USR1@180      # SIGUSR1 to this script 3 minutes before the limit: more than one epoch takes
+#SBATCH --signal=B:USR1@180      # SIGUSR1 to this script 3 minutes before the limit: longer than one epoch
 #SBATCH --requeue                # the job may go back into the queue (it does so itself, below; so may preemption)
 #SBATCH --open-mode=append       # a requeued job appends to its log, so the log holds every part
 #SBATCH --output=%x-%j.out       # the log, in the folder you submitted from: %x = job name, %j = job id
