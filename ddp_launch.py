@@ -12,8 +12,12 @@
 
 torchrun sets RANK (global), LOCAL_RANK (index on this node, picks the GPU), WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT; `init_method="env://"` reads them. No --local_rank argument, no hard-coded addresses.
+SIGUSR1 (scripts/job_torchrun.sh asks SLURM for it before the time limit) makes every worker stop after the
+epoch, at a --snapshot.
 """
 import os
+import signal
+import threading
 from datetime import timedelta
 
 import torch
@@ -29,7 +33,11 @@ from common.engine import evaluate, train_one_epoch
 from common.errors import UsageError, run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import DistContext, check_global_batch, meet_the_group, print0, rank_device
+from common.ranks import DistContext, all_reduce_sum, check_global_batch, meet_the_group, print0, rank_device
+
+
+# Set by SIGUSR1, which SLURM sends ahead of the time limit (scripts/job_torchrun.sh): stop after this epoch.
+stop_requested = threading.Event()
 
 
 def train(cfg, ctx):
@@ -68,6 +76,13 @@ def train(cfg, ctx):
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        # Every rank adds its flag, so all of them stop after the same epoch (or none does), and only after an epoch
+        # the snapshot holds: the requeued job resumes from it. Without --snapshot there is nothing to resume: go on.
+        (warned,) = all_reduce_sum([stop_requested.is_set()], ctx)
+        if warned and cfg.snapshot and (epoch + 1) % cfg.save_every == 0 and epoch + 1 < cfg.epochs:
+            print0(ctx, f"Stopping after epoch {epoch + 1} of {cfg.epochs} (SIGUSR1: the time limit is near); "
+                        f"{cfg.snapshot} holds it")
+            return
     print0(ctx, "Done!")
 
     if ctx.is_main:  # one copy: rank 0 saves model.module, the plain model inside DDP (no `module.` prefix)
@@ -96,6 +111,7 @@ def main():
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))  # cuda:<local_rank>, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
+    signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.set())  # before the first epoch
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     # env:// reads MASTER_ADDR and MASTER_PORT, which torchrun also set. A peer that does not come within --timeout
     # (here, and in every collective later) is an error, never a hang.

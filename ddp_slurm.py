@@ -4,12 +4,16 @@
     sbatch scripts/job.sh --epochs 1            # flags after the script go to ddp_slurm.py
     sbatch --nodes 1 --ntasks-per-node 2 --gpus-per-node 0 --cpus-per-task 1 scripts/job.sh   # a CPU-only cluster
     srun --nodes 1 --ntasks-per-node 2 python ddp_slurm.py   # interactively, inside or as an allocation
+    sbatch scripts/job.sh --snapshot runs/ddp_slurm/snap.pt   # longer than the time limit: requeued, resumes
 
 SLURM_PROCID is the global rank, SLURM_NTASKS the world size, SLURM_LOCALID the local rank (it picks the GPU).
 The master is the first host of SLURM_JOB_NODELIST, on a port derived from SLURM_JOB_ID (MASTER_ADDR and
 MASTER_PORT override them), so every task computes the same tcp:// address without talking to the others.
+SIGUSR1 (job.sh asks SLURM for it before the time limit) makes every rank stop after the epoch, at a snapshot.
 """
 import os
+import signal
+import threading
 from datetime import timedelta
 
 import torch
@@ -24,8 +28,13 @@ from common.engine import evaluate, train_one_epoch
 from common.errors import run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import DistContext, check_global_batch, check_rendezvous, meet_the_group, print0, rank_device
+from common.ranks import (DistContext, all_reduce_sum, check_global_batch, check_rendezvous, meet_the_group, print0,
+                          rank_device)
 from common.slurm import check_srun_task, slurm_master
+
+
+# Set by SIGUSR1, which SLURM sends ahead of the time limit (scripts/job.sh): stop after this epoch, come back later.
+stop_requested = threading.Event()
 
 
 def train(cfg, ctx):
@@ -64,6 +73,13 @@ def train(cfg, ctx):
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        # Every rank adds its flag, so all of them stop after the same epoch (or none does), and only after an epoch
+        # the snapshot holds: the requeued job resumes from it. Without --snapshot there is nothing to resume: go on.
+        (warned,) = all_reduce_sum([stop_requested.is_set()], ctx)
+        if warned and cfg.snapshot and (epoch + 1) % cfg.save_every == 0 and epoch + 1 < cfg.epochs:
+            print0(ctx, f"Stopping after epoch {epoch + 1} of {cfg.epochs} (SIGUSR1: the time limit is near); "
+                        f"{cfg.snapshot} holds it")
+            return
     print0(ctx, "Done!")
 
     if ctx.is_main:  # one copy: rank 0 saves model.module, the plain model inside DDP (no `module.` prefix)
@@ -81,6 +97,7 @@ def main():
     device = rank_device(cfg.device, local_rank)  # cuda:<local_rank>, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
+    signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.set())  # before the first epoch
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     # Every task computes the same address by itself: the job's first node, on a port from the job id.
     master_addr, master_port = slurm_master()

@@ -4,6 +4,7 @@
 #
 #   sbatch scripts/job_torchrun.sh                  # from the repository root: 2 nodes x 4 GPUs, as below
 #   sbatch scripts/job_torchrun.sh --epochs 1       # anything after the script is passed on to ddp_launch.py
+#   sbatch scripts/job_torchrun.sh --snapshot runs/ddp_launch/snap.pt   # requeued before the time limit, resumes
 #   # a CPU-only cluster (how the tests submit it): one node, 2 CPU workers
 #   NPROC_PER_NODE=2 sbatch --nodes 1 --cpus-per-task 2 --gpus-per-node 0 scripts/job_torchrun.sh
 #
@@ -16,11 +17,35 @@
 #SBATCH --gpus-per-node=4        # GPUs per machine; torchrun starts one worker per GPU
 #SBATCH --cpus-per-task=32       # all the cores torchrun's workers share (each gets cpus / workers threads)
 #SBATCH --time=00:30:00          # wall-clock limit: SLURM stops the job after this
+#SBATCH --signal=B:USR1@180      # SIGUSR1 to this script 3 minutes before the limit: longer than one epoch
+#SBATCH --requeue                # the job may go back into the queue (it does so itself, below; so may preemption)
+#SBATCH --open-mode=append       # a requeued job appends to its log, so the log holds every part
 #SBATCH --output=%x-%j.out       # the log, in the folder you submitted from: %x = job name, %j = job id
 
 # The first host of the allocation hosts the rendezvous; the port is derived from the job id, so two jobs
 # on one node do not collide. NPROC_PER_NODE (default: one per visible GPU) overrides the worker count.
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$((20000 + SLURM_JOB_ID % 10000))
-srun --kill-on-bad-exit=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node "${NPROC_PER_NODE:-gpu}" \
-    --rdzv-backend c10d --rdzv-endpoint "$head:$port" --rdzv-id "$SLURM_JOB_ID" ddp_launch.py "$@"
+# torchrun itself must not see SIGUSR1 (it would die of it, and take its workers along): `env --ignore-signal`
+# starts it with the signal ignored, and each worker sets its own handler (ddp_launch.py).
+srun --kill-on-bad-exit=1 env --ignore-signal=USR1 torchrun --nnodes "$SLURM_NNODES" \
+    --nproc-per-node "${NPROC_PER_NODE:-gpu}" --rdzv-backend c10d --rdzv-endpoint "$head:$port" \
+    --rdzv-id "$SLURM_JOB_ID" ddp_launch.py "$@" &
+step=$!
+
+# The time limit is near (--signal above): pass SIGUSR1 on to the step (srun forwards it to its every process, and
+# torchrun ignores it); the workers finish the epoch, rank 0 writes the --snapshot, and they exit 0. Then this script
+# puts the job back in the queue: the same job id, run again with the same arguments, resumes from the snapshot. A job
+# killed without warning is not requeued: submit it again with the same --snapshot and it resumes from the last
+# epoch the snapshot holds.
+trap 'warned=1; kill -USR1 "$step"' USR1
+wait "$step"; status=$?
+while [ -n "$warned" ] && [ "$status" = 138 ]; do wait "$step"; status=$?; done  # 138: wait cut short by the trap
+if [ -n "$warned" ] && [ "$status" = 0 ]; then
+    case " $* " in
+        *" --snapshot"*) echo "job_torchrun.sh: warned before the time limit; requeueing job $SLURM_JOB_ID"
+                         scontrol requeue "$SLURM_JOB_ID" ;;
+        *) echo "job_torchrun.sh: SIGUSR1 came, but without --snapshot there is nothing to resume from: not requeued" ;;
+    esac
+fi
+exit "$status"

@@ -1,4 +1,8 @@
-"""A real single-node SLURM cluster (munged + slurmctld + slurmd) in a temporary directory, for tests."""
+"""A real SLURM cluster (munged + slurmctld + one slurmd per node) in a temporary directory, for tests.
+
+LocalSlurm is one node on 127.0.0.1; TwoNodeSlurm is two nodes, each a network namespace of tests/netns.py with
+its own address and host name (nodea runs slurmctld too).
+"""
 import getpass
 import os
 import random
@@ -137,7 +141,10 @@ class SbatchResult(tuple):
 
 
 class LocalSlurm:
-    """A one-node SLURM cluster on 127.0.0.1 whose config, state, logs and munge key live in workdir."""
+    """A SLURM cluster on this machine whose config, state, logs and munge key live in workdir: one node, localhost."""
+
+    # node name -> address; the first node also runs slurmctld.
+    nodes = {"localhost": "127.0.0.1"}
 
     def __init__(self, workdir, cpus=None, gpus=0, extra_conf=""):
         self.workdir = Path(workdir).resolve()
@@ -164,10 +171,19 @@ class LocalSlurm:
         env.update(extra or {})
         return env
 
+    def on_node(self, node, cmd):
+        """cmd as it runs on node (a daemon); here every node is this machine."""
+        return cmd
+
+    def client(self, cmd):
+        """cmd as a client command (sbatch, scontrol, ...) runs where it reaches slurmctld."""
+        return cmd
+
     def run(self, *cmd, timeout=30, **kwargs):
         """Run a client command (sinfo, squeue, scontrol, ...) against this cluster; returns the CompletedProcess."""
         kwargs.setdefault("env", self._env())
-        return subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=timeout, **kwargs)
+        return subprocess.run(self.client(list(map(str, cmd))), capture_output=True, text=True, timeout=timeout,
+                              **kwargs)
 
     def __enter__(self):
         self.start()
@@ -202,34 +218,39 @@ class LocalSlurm:
         while slurmd_port == ctld_port:
             slurmd_port = _free_port()
         user = getpass.getuser()
+        head = next(iter(self.nodes))
+        many = len(self.nodes) > 1  # then each slurmd has its own spool, pid and log file (%n: its node name)
         w = self.workdir
         # Leave some memory for the OS; a node with more RealMemory than it has would be drained.
         real_mem = max(_mem_total_mb() - 1024, _mem_total_mb() // 2)
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        node_lines = "".join(f"NodeName={node} NodeAddr={addr} NodeHostname={node} CPUs={self.cpus} "
+                             f"RealMemory={real_mem}{gres} State=UNKNOWN\n" for node, addr in self.nodes.items())
         # SLURM drops GPUs without a File, and warns unless it is a device: links to /dev/null stand in.
         lines = []
         for i in range(self.gpus):
             dev = w / f"fakegpu{i}"
             if not dev.is_symlink():
                 dev.symlink_to("/dev/null")
-            lines.append(f"NodeName=localhost Name=gpu File={dev}\n")
+            lines += [f"NodeName={node} Name=gpu File={dev}\n" for node in self.nodes]
         (w / "gres.conf").write_text("".join(lines))
         self.conf.write_text(f"""\
 ClusterName=local{ctld_port}
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={head}({self.nodes[head]})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser={user}
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={socket_path}
+# cred_expire: also how long a requeued job waits before it may start again (default 120 s).
+AuthInfo=socket={socket_path},cred_expire=10
 StateSaveLocation={w / "state"}
-SlurmdSpoolDir={w / "spool"}
+SlurmdSpoolDir={w / "spool" / ("%n" if many else "")}
 SlurmctldPidFile={w / "slurmctld.pid"}
-SlurmdPidFile={w / "slurmd.pid"}
+SlurmdPidFile={w / ("slurmd-%n.pid" if many else "slurmd.pid")}
 SlurmctldLogFile={w / "log" / "slurmctld.log"}
-SlurmdLogFile={w / "log" / "slurmd.log"}
+SlurmdLogFile={w / "log" / ("slurmd-%n.log" if many else "slurmd.log")}
 SlurmctldDebug=info
 SlurmdDebug=info
 MpiDefault=none
@@ -257,8 +278,7 @@ InactiveLimit=0
 EnforcePartLimits=ALL
 SlurmdTimeout=300
 MessageTimeout=10
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={real_mem}{gres} State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{node_lines}PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 {self.extra_conf}
 """)
         return socket_path
@@ -294,8 +314,12 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                 f"--log-file={w / 'log' / 'munged.log'}",
             ])
             self._wait_for(lambda: socket_path.exists(), 10, "munged socket")
-            self._spawn("slurmctld", [_sbin("slurmctld"), "-D", "-c", "-i", "-f", conf])
-            self._spawn("slurmd", [_sbin("slurmd"), "-D", "-N", "localhost", "-f", conf])
+            head = next(iter(self.nodes))
+            self._spawn("slurmctld", self.on_node(head, [_sbin("slurmctld"), "-D", "-c", "-i", "-f", conf]))
+            for node in self.nodes:
+                if len(self.nodes) > 1:
+                    (w / "spool" / node).mkdir(parents=True, exist_ok=True)
+                self._spawn(self._slurmd(node), self.on_node(node, [_sbin("slurmd"), "-D", "-N", node, "-f", conf]))
             self._wait_for(self._idle, timeout, "node idle")
         except BaseException as exc:
             logs = self._logs()
@@ -303,6 +327,10 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
             if not isinstance(exc, Exception):  # Ctrl-C: stopped, and on its way
                 raise
             raise RuntimeError(f"SLURM cluster in {w} did not start: {exc}\n{logs}") from None
+
+    def _slurmd(self, node):
+        """The name of node's slurmd in self.procs."""
+        return "slurmd" if len(self.nodes) == 1 else f"slurmd-{node}"
 
     def _wait_for(self, ready, timeout, what):
         """Poll ready() until true; fail early when a daemon died."""
@@ -337,7 +365,7 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
             text, script = str(script), None
         cmd = ["sbatch", "--parsable", *map(str, args)] + ([str(script), *map(str, script_args)] if script else [])
         # Not `sbatch --wait`: in 22.05 it polls every 2-10 s, while scontrol answers at once.
-        proc = subprocess.run(cmd, input=text, capture_output=True, text=True, cwd=cwd,
+        proc = subprocess.run(self.client(cmd), input=text, capture_output=True, text=True, cwd=cwd,
                               env=self._env(env), timeout=30)
         if proc.returncode != 0:
             return SbatchResult(None, proc.returncode, proc.stdout, proc.stderr)
@@ -423,10 +451,11 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 
     def _stop_processes(self, grace):
         """stop() for a cluster whose daemons were started."""
-        if all(n in self.procs and self.procs[n].poll() is None for n in ("slurmctld", "slurmd", "munged")):
+        daemons = [*map(self._slurmd, self.nodes), "slurmctld", "munged"]
+        if all(n in self.procs and self.procs[n].poll() is None for n in daemons):
             self._cancel_jobs()
         strays = self.stray_processes()
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in daemons:
             proc = self.procs.get(name)
             if proc is None:
                 continue
@@ -449,3 +478,28 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
             while any(_alive(*item) for item in strays.items()) and time.monotonic() < deadline:
                 time.sleep(0.1)
         self.procs = {}
+
+
+class TwoNodeSlurm(LocalSlurm):
+    """Two nodes, nodea (slurmctld and a slurmd) and nodeb (a slurmd), on the namespaces of a netns.TwoMachines.
+
+    Each slurmd, and so every job step it starts, runs in its node's namespace under its node's host name; client
+    commands run in nodea's namespace, where slurmctld listens.
+    """
+
+    def __init__(self, workdir, net, **kwargs):
+        from netns import NODES
+
+        super().__init__(workdir, **kwargs)
+        self.net = net
+        self.nodes = dict(NODES)
+
+    def on_node(self, node, cmd):
+        # As net.command(node, cmd), but without `ip netns exec`, whose fresh /sys hides the cgroup folders slurmd
+        # needs: enter the node's network, then a mount namespace of our own for its /etc/hosts.
+        ns = self.net.ns[node]
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
+                f'mount --bind /etc/netns/{ns}/hosts /etc/hosts && hostname {node} && exec "$@"', "sh", *cmd]
+
+    def client(self, cmd):
+        return ["ip", "netns", "exec", self.net.ns[next(iter(self.nodes))], *cmd]

@@ -1,0 +1,123 @@
+"""SLURM for real clusters: a job warned before its time limit requeues itself and resumes; a two-node cluster.
+
+The warning is what `#SBATCH --signal=B:USR1@180` sends: SIGUSR1 to the batch script (`scancel --signal=USR1 --batch`
+sends the same, mid-epoch). The two nodes are two network namespaces (tests/netns.py) with their own addresses and
+host names, each running a slurmd (tests/slurm_cluster.py's TwoNodeSlurm).
+"""
+import os
+import re
+import time
+
+import pytest
+
+from common.metrics import read_metrics
+from conftest import assert_same_curves, load_state, max_abs_diff, slice_args
+from netns import IFNAME, TwoMachines, why_not
+from test_ddp import SAME_MODEL
+from test_slurm import CPU_JOB, CPU_TORCHRUN_JOB, accuracy_lines, submit
+
+# 100 steps of 48 images an epoch (about 2 s here with 2 ranks): a signal sent when "Epoch 2" appears lands in it.
+EPOCHS = 3
+REQUEUE_SLICE = ["--train-samples", "4800", "--test-samples", "500", "--batch-size", "48", "--epochs", str(EPOCHS),
+                 "--log-every", "25"]
+SCRIPTS = [("job.sh", CPU_JOB, {}), ("job_torchrun.sh", CPU_TORCHRUN_JOB, {"NPROC_PER_NODE": "2"})]
+IDS = ["srun-tasks", "srun-torchrun"]
+
+
+def run_args(real_data, out):
+    """REQUEUE_SLICE on the real data, saving to out, with a snapshot in out."""
+    return [*REQUEUE_SLICE, "--data-dir", str(real_data), "--output", str(out), "--snapshot", str(out / "snap.pt")]
+
+
+def wait_for_line(slurm, job_id, log_path, line, timeout=120):
+    """Block until the job's log holds line (the job still pending or running)."""
+    deadline = time.monotonic() + timeout
+    while line not in (log_path.read_text() if log_path.exists() else ""):
+        state = slurm.job_state(job_id)["state"]
+        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), (state, log_path.read_text())
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("script,opts,env", SCRIPTS, ids=IDS)
+def test_a_warned_job_requeues_itself_and_ends_as_if_left_alone(slurm, real_data, tmp_path, script, opts, env):
+    straight_id, rc, straight_log = submit(slurm, script, opts, run_args(real_data, tmp_path / "straight"), tmp_path,
+                                           env)
+    assert rc == 0 and slurm.job_state(straight_id)["state"] == "COMPLETED", straight_log.read_text()
+
+    snapshot = tmp_path / "warned" / "snap.pt"
+    job_id, _, log_path = submit(slurm, script, opts, run_args(real_data, tmp_path / "warned"), tmp_path, env,
+                                 wait=False)
+    wait_for_line(slurm, job_id, log_path, "Epoch 2\n")
+    signalled = slurm.run("scancel", "--signal=USR1", "--batch", job_id)  # as --signal=B:USR1@180 would, mid-epoch
+    assert signalled.returncode == 0, signalled.stderr
+    state = slurm.wait_job(job_id, timeout=180)  # the requeued job waits 10 s (cred_expire), then runs
+    log = log_path.read_text()
+    assert state["state"] == "COMPLETED" and state["fields"]["Restarts"] == "1", (state, log)
+    # Both parts in one log (--open-mode=append): stopped after epoch 2, requeued, resumed with epoch 3.
+    expected = [f"Stopping after epoch 2 of {EPOCHS} (SIGUSR1: the time limit is near); {snapshot} holds it",
+                f"{script}: warned before the time limit; requeueing job {job_id}",
+                f"Resuming from {snapshot}: 2 of {EPOCHS} epochs done, continuing with epoch 3",
+                "Done!"]
+    found = [line for line in log.splitlines() if line in expected]
+    assert found == expected, log
+    assert [log.count(f"Epoch {n}\n") for n in range(1, EPOCHS + 1)] == [1, 1, 1] and "Traceback" not in log, log
+    # The same run as the uninterrupted job: bit for bit at the same thread count, and the same curves.
+    diff = max_abs_diff(load_state(tmp_path / "straight" / "model.pth"), load_state(tmp_path / "warned" / "model.pth"))
+    print(f"{script}: requeued job vs uninterrupted job, max |difference| = {diff:g}")
+    assert diff <= 1e-6
+    assert_same_curves(read_metrics(tmp_path / "warned"), read_metrics(tmp_path / "straight"))
+    assert accuracy_lines(log) == accuracy_lines(straight_log.read_text())
+
+
+@pytest.mark.parametrize("how", ["cancelled", "preempted"])
+def test_a_job_stopped_without_warning_resumes_from_its_last_snapshot(slurm, real_data, tmp_path, how):
+    args = run_args(real_data, tmp_path / "run")
+    job_id, _, log_path = submit(slurm, "job.sh", CPU_JOB, args, tmp_path, wait=False)
+    wait_for_line(slurm, job_id, log_path, "Epoch 2\n")
+    if how == "cancelled":
+        slurm.run("scancel", job_id)  # SIGTERM to every process, then SIGKILL: no SIGUSR1, so no requeue
+        state = slurm.wait_job(job_id, timeout=60)
+        assert state["state"] == "CANCELLED" and state["fields"]["Restarts"] == "0", state
+        assert "Stopping after" not in log_path.read_text() and "requeueing" not in log_path.read_text()
+        job_id, _, log_path = submit(slurm, "job.sh", CPU_JOB, args, tmp_path)  # the user submits it again
+        restarts = "0"
+    else:
+        # What preemption does to a --requeue job under PreemptMode=REQUEUE: SLURM kills it and queues it again.
+        slurm.run("scontrol", "requeue", job_id)
+        restarts = "1"
+    state = slurm.wait_job(job_id, timeout=180)
+    log = log_path.read_text()
+    assert state["state"] == "COMPLETED" and state["fields"]["Restarts"] == restarts, (state, log)
+    assert f"Resuming from {tmp_path / 'run' / 'snap.pt'}: 1 of {EPOCHS} epochs done, continuing with epoch 2" in log
+    assert "Stopping after" not in log and log.count("Done!") == 1 and "Traceback" not in log, log
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A running two-node SLURM cluster (nodea, nodeb). Skips with the reason where it cannot be made (fails in CI)."""
+    from slurm_cluster import TwoNodeSlurm, ensure_slurm_installed
+
+    reason = why_not() or ensure_slurm_installed()
+    if reason:
+        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+    with TwoMachines() as net, TwoNodeSlurm(tmp_path_factory.mktemp("slurm2"), net) as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("script,opts,env", [
+    ("job.sh", ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0"], {}),
+    ("job_torchrun.sh", ["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=0"], {"NPROC_PER_NODE": "1"}),
+], ids=IDS)
+def test_two_node_job_trains_the_same_model(two_nodes, real_data, reference, tmp_path, script, opts, env):
+    env = dict(env, GLOO_SOCKET_IFNAME=IFNAME)  # the interface on the nodes' shared network, as on a real cluster
+    job_id, rc, log_path = submit(two_nodes, script, opts, slice_args(real_data, tmp_path / "run"), tmp_path, env)
+    log = log_path.read_text()
+    state = two_nodes.job_state(job_id)
+    assert rc == 0 and state["state"] == "COMPLETED" and state["fields"]["NodeList"] == "nodea,nodeb", log
+    # One rank on each node, each under its own host name; rank 0 on the first node, where the ranks met.
+    assert sorted(re.findall(r"^\[rank (\d)\] host=(node[ab]) local_rank=0 device=cpu backend=gloo world_size=2 ",
+                             log, re.M)) == [("0", "nodea"), ("1", "nodeb")], log
+    diff = max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth"))
+    print(f"{script} on two nodes vs chapter 1: max |difference| = {diff:g}")
+    assert diff <= SAME_MODEL
+    assert accuracy_lines(log) == accuracy_lines(reference[1]) and log.count("Done!") == 1 and "Traceback" not in log
