@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 debug_hang.py --bug eval-on-rank0 --timeout 10          # broken
     torchrun --standalone --nproc-per-node 2 debug_hang.py --bug eval-on-rank0 --fix                 # fixed
-    torchrun --standalone --nproc-per-node 2 debug_hang.py --bug early-stop
-    TORCH_DISTRIBUTED_DEBUG=OFF torchrun --standalone --nproc-per-node 2 debug_hang.py --bug early-stop  # no check
+    torchrun --standalone --nproc-per-node 2 debug_hang.py --bug early-stop --epochs 3
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node 2 debug_hang.py --bug eval-on-rank0
     torchrun --standalone --nproc-per-node 2 debug_hang.py --bug uneven-batches --train-samples 961  # one image more
     torchrun --standalone --nproc-per-node 2 debug_hang.py --bug shape-mismatch --test-samples 10    # a small test set
 
@@ -13,14 +13,17 @@ The bugs (search for "BUG" below; --fix runs the same case with the line that fo
   uneven-batches  a sampler without padding gives one rank one batch more. Fix: torch.distributed.algorithms.Join.
   shape-mismatch  per-class counts with torch.bincount() but no minlength: the length depends on the rank's labels.
 
-The tools, on in this chapter (the same work on any DDP job):
-  - the flight recorder: TORCH_FR_BUFFER_SIZE=2000 makes every rank keep its last 2000 collectives (gloo too, on
-    torch 2.14); each rank writes them to OUTPUT/flight_recorder/rank_N as it leaves, and a failing rank compares them;
+The tools (they work the same on any DDP job):
+  - the flight recorder (on here): TORCH_FR_BUFFER_SIZE=2000 makes every rank keep its last 2000 collectives (gloo
+    too, on torch 2.14); each rank writes them to OUTPUT/flight_recorder/rank_N as it leaves, and a failing rank compares them;
     `python -m torch.distributed.flight_recorder.fr_trace OUTPUT/flight_recorder -p rank_` is torch's own analyser.
   - stacks: a rank that makes no step for --timeout / 2 seconds writes the stacks of all its threads, taken while it
     waits, to OUTPUT/stacks/rank_N.txt: `py-spy dump` where py-spy is installed, else Python's faulthandler.
-  - TORCH_DISTRIBUTED_DEBUG=DETAIL (on here unless you set it; OFF shows the failure without it): before every
-    collective the ranks compare what they are about to run, and a mismatch fails at once, naming both sides.
+  - TORCH_DISTRIBUTED_DEBUG=DETAIL (set it on the command line, as above): before every collective the ranks
+    compare what they are about to run, and a mismatch fails at once, naming both sides (the recorder is then off).
+  - faulthandler: when gloo aborts the process on a collective whose sizes differ ("Is there a distributed
+    collective mismatch in your code?"), the dying rank still prints every thread's Python stack, and so does
+    each rank torchrun then stops with SIGTERM.
 Every collective has --timeout, so a broken run ends (non-zero) within --timeout plus a few seconds, never hangs.
 """
 import argparse
@@ -28,12 +31,14 @@ import faulthandler
 import itertools
 import os
 import pickle
+import signal
 import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -238,7 +243,7 @@ def describe_flight_records(folder, world_size, wait):
     for path in folder.glob("rank_*"):
         entries = pickle.loads(path.read_bytes()).get("entries", [])
         last[int(path.name.split("_")[1])] = entries
-    if not last:
+    if not any(last.values()):  # the recorder was off (TORCH_DISTRIBUTED_DEBUG=DETAIL) or saw nothing
         return None
     seqs = {r: (e[-1]["collective_seq_id"] if e else 0) for r, e in sorted(last.items())}
 
@@ -282,6 +287,9 @@ def parse_args():
 @record
 def main():
     cfg, bug, fix = parse_args()
+    faulthandler.enable()  # a crash below Python (gloo's abort, a segfault) still prints each thread's stack
+    # torchrun stops the other workers with SIGTERM when one fails: each prints where it was before it goes.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
         raise UsageError("RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
                          "`torchrun --standalone --nproc-per-node 2 debug_hang.py --bug eval-on-rank0`")
@@ -295,15 +303,11 @@ def main():
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     output = prepare_output(cfg.output)
     records, stacks = output / "flight_recorder", output / "stacks" / f"rank_{rank}.txt"
-    # The collective check: before each collective the ranks compare its kind, shapes and dtypes (one small extra
-    # exchange), so a mismatch fails at once and names both sides. TORCH_DISTRIBUTED_DEBUG=OFF runs without it.
-    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-    dist.set_debug_level_from_env()  # torch read the variable when it was imported: read it again
-    # The flight recorder (TORCH_FR_BUFFER_SIZE=2000: each rank keeps its last 2000 collectives) is the tool for
-    # a job that runs without the check. Not with it: on torch 2.14.1 the two together crashed DDP's constructor
-    # (SIGSEGV in 3 runs of 4), so the check wins.
-    if os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL":
-        os.environ["TORCH_FR_BUFFER_SIZE"] = "0"
+    # The flight recorder: every process group made from here on keeps its last 2000 collectives, gloo's too.
+    # Not with TORCH_DISTRIBUTED_DEBUG=DETAIL's check, which names a mismatch by itself: on torch 2.14.1 both at
+    # once crashed DDP's constructor (SIGSEGV) here.
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL":
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
     watch = HangWatch(cfg.timeout / 2, stacks)  # a rank that waits half of --timeout writes its stacks
@@ -314,14 +318,18 @@ def main():
         dist.barrier()  # the old files are gone before anyone writes new ones
         train(cfg, bug, fix, ctx, output, watch)
         write_flight_record(records, rank)  # for a rank that failed later: what this one ran before it left
-    except Exception:
+    except Exception as e:
         watch.stop()
+        if not stacks.exists():  # it failed before it waited long: the stack of the call that failed will do
+            stacks.parent.mkdir(parents=True, exist_ok=True)
+            stacks.write_text(f"=== {socket.gethostname()} pid {os.getpid()}: where it failed\n"
+                              + "".join(traceback.format_exception(e)))
         write_flight_record(records, rank)
         line = describe_flight_records(records, world_size, wait=min(5.0, cfg.timeout))
         if line:
             sys.stderr.write(f"[rank {rank}] {line}\n")
         if stacks.exists():
-            sys.stderr.write(f"[rank {rank}] stacks, taken while it waited: {stacks}\n")
+            sys.stderr.write(f"[rank {rank}] its stack: {stacks}\n")
         sys.stderr.flush()
         faulthandler.dump_traceback_later(15, exit=True)  # leaving the group after a failure must not hang either
         raise
