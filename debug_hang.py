@@ -15,12 +15,13 @@ The bugs (search for "BUG" below; --fix runs the same case with the line that fo
 
 The tools (they work the same on any DDP job):
   - the flight recorder (on here): TORCH_FR_BUFFER_SIZE=2000 makes every rank keep its last 2000 collectives (gloo
-    too, on torch 2.14); each rank writes them to OUTPUT/flight_recorder/rank_N as it leaves, and a failing rank compares them;
-    `python -m torch.distributed.flight_recorder.fr_trace OUTPUT/flight_recorder -p rank_` is torch's own analyser.
+    too, on torch 2.14); each rank writes them to OUTPUT/flight_recorder/rank_N as it leaves, and a failing rank
+    compares them: which collective had no partner, or the first one the ranks ran differently.
   - stacks: a rank that makes no step for --timeout / 2 seconds writes the stacks of all its threads, taken while it
     waits, to OUTPUT/stacks/rank_N.txt: `py-spy dump` where py-spy is installed, else Python's faulthandler.
-  - TORCH_DISTRIBUTED_DEBUG=DETAIL (set it on the command line, as above): before every collective the ranks
-    compare what they are about to run, and a mismatch fails at once, naming both sides (the recorder is then off).
+  - TORCH_DISTRIBUTED_DEBUG=DETAIL (on the command line, as above): before every collective the ranks compare
+    what they are about to run, and a mismatch fails at once, naming both sides. On torch 2.14.1 on the CPU it
+    often crashes DDP's constructor (SIGSEGV) before the first step: see docs/debugging.md.
   - faulthandler: when gloo aborts the process on a collective whose sizes differ ("Is there a distributed
     collective mismatch in your code?"), the dying rank still prints every thread's Python stack, and so does
     each rank torchrun then stops with SIGTERM.
@@ -304,10 +305,7 @@ def main():
     output = prepare_output(cfg.output)
     records, stacks = output / "flight_recorder", output / "stacks" / f"rank_{rank}.txt"
     # The flight recorder: every process group made from here on keeps its last 2000 collectives, gloo's too.
-    # Not with TORCH_DISTRIBUTED_DEBUG=DETAIL's check, which names a mismatch by itself: on torch 2.14.1 both at
-    # once crashed DDP's constructor (SIGSEGV) here.
-    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL":
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
     watch = HangWatch(cfg.timeout / 2, stacks)  # a rank that waits half of --timeout writes its stacks
