@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from conftest import BASE_ENV, TORCHRUN
+from conftest import TORCHRUN
 from netns import IFNAME, NODES, TwoMachines
 from test_multinode import NODE_ENV, PORT, need_namespaces
 
