@@ -226,7 +226,7 @@ class HangWatch:
 
 
 def write_flight_record(folder, rank):
-    """This rank's flight recorder (its last TORCH_FR_BUFFER_SIZE collectives) as torch's fr_trace reads it."""
+    """This rank's flight recorder (its last TORCH_FR_BUFFER_SIZE collectives), the pickle torch dumps, to FOLDER/rank_N."""
     folder.mkdir(parents=True, exist_ok=True)
     data = torch._C._distributed_c10d._dump_fr_trace()
     tmp = folder / f".rank_{rank}.tmp"
@@ -235,7 +235,7 @@ def write_flight_record(folder, rank):
 
 
 def describe_flight_records(folder, world_size, wait):
-    """One line comparing the ranks' last collectives (from the files they wrote), or None if not all are there."""
+    """One line comparing the ranks' records (the files they wrote, waiting up to `wait` s for all), or None."""
     deadline = time.monotonic() + wait
     while len(list(folder.glob("rank_*"))) < world_size and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -243,7 +243,7 @@ def describe_flight_records(folder, world_size, wait):
     for path in folder.glob("rank_*"):
         entries = pickle.loads(path.read_bytes()).get("entries", [])
         last[int(path.name.split("_")[1])] = entries
-    if not any(last.values()):  # the recorder was off (TORCH_DISTRIBUTED_DEBUG=DETAIL) or saw nothing
+    if not any(last.values()):  # the recorder was off (TORCH_FR_BUFFER_SIZE=0)
         return None
     seqs = {r: (e[-1]["collective_seq_id"] if e else 0) for r, e in sorted(last.items())}
 
