@@ -189,8 +189,8 @@ def train(cfg, bug, fix, ctx, output, watch):
 class HangWatch:
     """A thread that writes this rank's stacks when no forward() has started for `seconds` (a rank that waits).
 
-    py-spy (`py-spy dump --native`) where it is installed: it also shows the C++ frames inside gloo/NCCL; else
-    faulthandler, which dumps every Python thread's stack from here, while the main thread is still stuck.
+    `py-spy dump` where py-spy is installed (it reads the process from outside; its --native mode showed only a
+    garbage-collector frame here, so it is not used); else faulthandler, which dumps every Python thread's stack from here, while the main thread is still stuck.
     """
 
     def __init__(self, seconds, path):
@@ -217,7 +217,7 @@ class HangWatch:
             f.flush()
             spy = shutil.which("py-spy")
             if spy:
-                subprocess.run([spy, "dump", "--native", "--pid", str(os.getpid())], stdout=f, stderr=f, timeout=30)
+                subprocess.run([spy, "dump", "--pid", str(os.getpid())], stdout=f, stderr=f, timeout=30)
             else:
                 faulthandler.dump_traceback(f, all_threads=True)
 
