@@ -63,6 +63,14 @@ _EXPLAINED = [
     (r"Duplicate GPU detected ?: rank (\d+) and rank (\d+) both on CUDA device (\w+)", lambda m, text: (
         f"ranks {m[1]} and {m[2]} are on the same GPU, and NCCL needs one GPU per rank: start at most one process "
         f"per visible GPU on each machine and give each its own local rank")),
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL's check: the ranks were about to run different collectives.
+    (r"Detected mismatch between collectives on ranks\. Rank (\d+) is running collective: CollectiveFingerPrint\("
+     r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+).*?but Rank (\d+) is running "
+     r"collective: CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], "
+     r"TensorDtypes=(\w+)", lambda m, text: (
+        f"collective mismatch: rank {m[1]} runs collective #{m[2]} {m[3]} [{m[4]}] {m[5]}, rank {m[6]} runs #{m[7]} "
+        f"{m[8]} [{m[9]}] {m[10]}: every rank must call the same collectives in the same order with the same shapes "
+        f"(a collective under `if rank == 0`, a loop one rank leaves early, uneven data)")),
     # gloo, once the group is up: the peer's end of the connection was closed (its process died).
     (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m, text: (
         f"lost contact with the other ranks ({_first_line(text)}): another rank died (see its log), or the "

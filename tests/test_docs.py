@@ -41,7 +41,7 @@ NOT_RUN_HERE = [
 SLICE = "--train-samples 960 --test-samples 500"
 # A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).
 CHAPTER = re.compile(r"((?:python3?|torchrun)\s(?:[^;&|()]*?\s)?(?:single_gpu|dataparallel|ddp_launch|ddp_mp|ddp_tcp_manual|"
-                     r"ddp_slurm|fsdp)\.py)\b")
+                     r"ddp_slurm|fsdp|debug_hang)\.py)\b")
 
 
 def docs():
@@ -296,6 +296,7 @@ MAKE_IT_PRINT = {
     "is left over from an earlier run": lambda tmp, stack: (
         "ddp_tcp_manual.py", _tcp(f"file://{stale_rendezvous_file(tmp)}"), {}),
     "was started with --train-samples": lambda tmp, stack: _two_ranks(tmp, stack, rank1_args=["--train-samples", "128"]),
+    "collective mismatch: rank": "tests/test_debug_hang.py::test_detail_check_names_both_collectives",
     "lost contact with the other ranks": lambda tmp, stack: _two_ranks(tmp, stack, to_rank1=signal.SIGKILL),
     "no answer from another rank": lambda tmp, stack: _two_ranks(tmp, stack, to_rank1=signal.SIGSTOP, timeout="3"),
     "cannot be read": lambda tmp, stack: _snapshot_run(tmp, lambda snap, data: snap.write_bytes(b"half a zip")),

@@ -1,0 +1,342 @@
+"""Chapter 8: broken on purpose. Four bugs that make real DDP jobs hang or die, the tools that find them, the fixes.
+
+    torchrun --standalone --nproc-per-node 2 debug_hang.py --bug eval-on-rank0 --timeout 10          # broken
+    torchrun --standalone --nproc-per-node 2 debug_hang.py --bug eval-on-rank0 --fix                 # fixed
+    torchrun --standalone --nproc-per-node 2 debug_hang.py --bug early-stop --epochs 3
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node 2 debug_hang.py --bug eval-on-rank0
+    torchrun --standalone --nproc-per-node 2 debug_hang.py --bug uneven-batches --train-samples 961  # one image more
+    torchrun --standalone --nproc-per-node 2 debug_hang.py --bug shape-mismatch --test-samples 10    # a small test set
+
+The bugs (search for "BUG" below; --fix runs the same case with the line that follows "FIX"):
+  eval-on-rank0   evaluation inside `if rank == 0:`; evaluate() all-reduces, so only rank 0 enters a collective.
+  early-stop      rank 0 decides to stop; the others go on into the next epoch's all-reduces. Fix: an all-reduced flag.
+  uneven-batches  a sampler without padding gives one rank one batch more. Fix: torch.distributed.algorithms.Join.
+  shape-mismatch  per-class counts with torch.bincount() but no minlength: the length depends on the rank's labels.
+
+The tools (they work the same on any DDP job):
+  - the flight recorder (on here): TORCH_FR_BUFFER_SIZE=2000 makes every rank keep its last 2000 collectives (gloo
+    too, on torch 2.14); each rank writes them to OUTPUT/flight_recorder/rank_N as it leaves, and a failing rank
+    compares them: which collective had no partner, or the first one the ranks ran differently.
+  - stacks: a rank that makes no step for --timeout / 2 seconds writes the stacks of all its threads, taken while it
+    waits, to OUTPUT/stacks/rank_N.txt: `py-spy dump` where py-spy is installed, else Python's faulthandler.
+  - TORCH_DISTRIBUTED_DEBUG=DETAIL (on the command line, as above): before every collective the ranks compare
+    what they are about to run, and a mismatch fails at once, naming both sides. On torch 2.14.1 on the CPU it
+    often crashes DDP's constructor (SIGSEGV) before the first step: see docs/debugging.md.
+  - faulthandler: when gloo aborts the process on a collective whose sizes differ ("Is there a distributed
+    collective mismatch in your code?"), the dying rank still prints every thread's Python stack, and so does
+    each rank torchrun then stops with SIGTERM.
+Every collective has --timeout, so a broken run ends (non-zero) within --timeout plus a few seconds, never hangs.
+"""
+import argparse
+import faulthandler
+import itertools
+import os
+import pickle
+import signal
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms import Join
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, Sampler
+
+from common.checkpoint import prepare_output, save_weights
+from common.config import build_parser, parse_config
+from common.data import ShardSampler, load_fashion_mnist, make_loader
+from common.engine import evaluate, train_one_epoch
+from common.errors import UsageError, run_main
+from common.metrics import MetricsLog
+from common.model import NeuralNetwork
+from common.ranks import DistContext, check_global_batch, meet_the_group, print0, rank_device
+
+BUGS = ("eval-on-rank0", "early-stop", "uneven-batches", "shape-mismatch")
+CLASSES = 10
+
+
+class StrideSampler(Sampler):
+    """Every world_size-th index of chapter 1's shuffle, WITHOUT DistributedSampler's padding (as a hand-made or
+    streaming loader shards): with an odd number of images one rank gets one image, so one batch, more."""
+
+    def __init__(self, dataset, rank, world_size, seed):
+        self.order = DistributedSampler(dataset, num_replicas=1, rank=0, seed=seed)  # chapter 1's shuffle
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self):
+        return itertools.islice(iter(self.order), self.rank, None, self.world_size)
+
+    def __len__(self):
+        return len(range(self.rank, len(self.order), self.world_size))
+
+    def set_epoch(self, epoch):
+        self.order.set_epoch(epoch)
+
+
+class JoinedLoader:
+    """FIX for uneven batches: iterate inside torch's Join, so a rank that runs out of batches keeps answering
+    the others' gradient all-reduces (with zeros) until every rank is done. The context closes when the batches
+    do, before train_one_epoch's own epoch-end sum, which every rank then runs together."""
+
+    def __init__(self, loader, model):
+        self.loader, self.model, self.dataset = loader, model, loader.dataset
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        # divide_by_initial_world_size=False: a step that only some ranks take averages over those ranks, so the
+        # last, short global batch gets the gradient chapter 1 gives it.
+        with Join([self.model], divide_by_initial_world_size=False):
+            yield from self.loader
+
+
+@torch.no_grad()
+def per_class_accuracy(model, loader, ctx, fix):
+    """Accuracy of each class over all ranks' test shards: counts per class, summed over the ranks."""
+    counts = torch.zeros(0, device=ctx.device)
+    right = torch.zeros(0, device=ctx.device)
+    labels, hits = [], []
+    for X, y in loader:
+        labels.append(y)
+        hits.append((model(X).argmax(1) == y).float())
+    y, hit = torch.cat(labels), torch.cat(hits)
+    if fix:
+        # FIX: the same length on every rank (minlength), and a common check before the all-reduce that names
+        # the ranks and shapes if they still differ, instead of a collective that cannot match.
+        counts, right = torch.bincount(y, minlength=CLASSES).float(), torch.bincount(y, hit, minlength=CLASSES)
+        same_shape_everywhere(counts, ctx)
+    else:
+        counts, right = torch.bincount(y).float(), torch.bincount(y, hit)  # BUG: length = this shard's top label + 1
+    dist.all_reduce(counts)
+    dist.all_reduce(right)
+    return (right / counts.clamp(min=1)).tolist()
+
+
+def same_shape_everywhere(tensor, ctx):
+    """Every rank's tensor has this shape and dtype, else one clear error naming the ranks (a small all_gather)."""
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, (tuple(tensor.shape), str(tensor.dtype)))
+    if len(set(everyone)) > 1:
+        shapes = ", ".join(f"rank {r} {list(s)} {d}" for r, (s, d) in enumerate(everyone))
+        raise RuntimeError(f"all_reduce of tensors that differ between ranks: {shapes}")
+
+
+def train(cfg, bug, fix, ctx, output, watch):
+    print0(ctx, cfg.describe())
+    print0(ctx, f"Case: {bug} ({'fixed' if fix else 'broken on purpose'}), {ctx.world_size} processes, "
+                f"backend {dist.get_backend()}, --timeout {cfg.timeout:g}s")
+    meet_the_group(cfg, ctx)
+
+    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
+    if bug == "uneven-batches":
+        train_sampler = StrideSampler(train_set, ctx.rank, ctx.world_size, cfg.seed)  # BUG: no padding
+    else:
+        train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
+    train_loader = make_loader(train_set, cfg.batch_size // ctx.world_size, train_sampler)
+    test_loader = make_loader(test_set, 1000, ShardSampler(test_set, ctx.rank, ctx.world_size))
+    print(f"[rank {ctx.rank}] {len(train_sampler)} training images, {len(train_loader)} batches\n", end="", flush=True)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
+    model = DDP(NeuralNetwork().to(ctx.device), device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    model.register_forward_pre_hook(watch.step)  # every step (and test batch) tells the watch it is alive
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    if bug == "uneven-batches" and fix:
+        train_loader = JoinedLoader(train_loader, model)
+
+    metrics = MetricsLog(output, ctx)
+    best_loss = float("inf")
+    for epoch in range(cfg.epochs):
+        print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
+        train_sampler.set_epoch(epoch)
+        train_one_epoch(model, train_loader, optimizer, None, epoch, cfg, ctx, metrics)
+        if bug == "eval-on-rank0" and not fix:
+            if ctx.is_main:  # BUG: "only rank 0 prints, so only rank 0 evaluates"; evaluate() all-reduces the counts
+                _, test_loss = evaluate(model, test_loader, epoch, ctx, metrics)
+        else:
+            _, test_loss = evaluate(model, test_loader, epoch, ctx, metrics)  # FIX: every rank, its own shard
+        if bug == "shape-mismatch":
+            classes = per_class_accuracy(model, test_loader, ctx, fix)
+            print0(ctx, "Per class: " + " ".join(f"{100 * a:.0f}%" for a in classes))
+        if bug == "early-stop":
+            # Early stopping on a plateau: stop once the test loss improves by less than 1% in an epoch.
+            plateau = test_loss > 0.99 * best_loss
+            best_loss = min(best_loss, test_loss)
+            if fix:
+                # FIX: whoever decides, every rank learns the decision: a flag all-reduced over the ranks.
+                stop = torch.tensor(float(ctx.is_main and plateau), device=ctx.device)
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+                if stop.item():
+                    print0(ctx, f"Early stop after epoch {epoch + 1}: test loss {test_loss:f}, less than 1% better")
+                    break
+            elif ctx.is_main and plateau:  # BUG: only rank 0 leaves the loop; the others train on without it
+                print0(ctx, f"Early stop after epoch {epoch + 1}: test loss {test_loss:f}, less than 1% better")
+                break
+    print0(ctx, "Done!")
+    if ctx.is_main:
+        save_weights(model.module, output / "model.pth")
+    print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+class HangWatch:
+    """A thread that writes this rank's stacks when no forward() has started for `seconds` (a rank that waits).
+
+    `py-spy dump` where py-spy is installed (it reads the process from outside; its --native mode showed only a
+    garbage-collector frame here, so it is not used); else faulthandler, which dumps every Python thread's stack from here, while the main thread is still stuck.
+    """
+
+    def __init__(self, seconds, path):
+        self.seconds, self.path, self.last = seconds, path, float("inf")  # watching from the first step on
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def step(self, *args):
+        """A forward pre-hook: the rank is making progress."""
+        self.last = time.monotonic()
+
+    def _watch(self):
+        while not self.stopped.wait(0.5):
+            waited = time.monotonic() - self.last
+            if waited >= self.seconds:
+                self.dump(f"no forward() for {waited:.1f}s")
+                self.last = float("inf")  # once per wait is enough
+
+    def dump(self, why):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(f"=== {socket.gethostname()} pid {os.getpid()}: {why}\n")
+            f.flush()
+            spy = shutil.which("py-spy")
+            if spy:
+                subprocess.run([spy, "dump", "--pid", str(os.getpid())], stdout=f, stderr=f, timeout=30)
+            else:
+                faulthandler.dump_traceback(f, all_threads=True)
+
+    def stop(self):
+        self.stopped.set()
+
+
+def write_flight_record(folder, rank):
+    """This rank's flight recorder (its last TORCH_FR_BUFFER_SIZE collectives), the pickle torch dumps, to FOLDER/rank_N."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = torch._C._distributed_c10d._dump_fr_trace()
+    tmp = folder / f".rank_{rank}.tmp"
+    tmp.write_bytes(data)
+    tmp.replace(folder / f"rank_{rank}")
+
+
+def describe_flight_records(folder, world_size, wait):
+    """One line comparing the ranks' records (the files they wrote, waiting up to `wait` s for all), or None."""
+    deadline = time.monotonic() + wait
+    while len(list(folder.glob("rank_*"))) < world_size and time.monotonic() < deadline:
+        time.sleep(0.2)
+    last = {}
+    for path in folder.glob("rank_*"):
+        entries = pickle.loads(path.read_bytes()).get("entries", [])
+        last[int(path.name.split("_")[1])] = entries
+    if not any(last.values()):  # the recorder was off (TORCH_FR_BUFFER_SIZE=0)
+        return None
+    seqs = {r: (e[-1]["collective_seq_id"] if e else 0) for r, e in sorted(last.items())}
+
+    def what(entry):
+        sizes = " ".join("x".join(map(str, s)) or "scalar" for s in entry["input_sizes"])
+        return f"#{entry['collective_seq_id']} {entry['profiling_name']} [{sizes}] {','.join(entry['input_dtypes'])}"
+
+    common = min(seqs.values())
+    for seq in range(1, common + 1):  # the first collective the ranks did not agree on
+        ops = {r: next((x for x in e if x["collective_seq_id"] == seq), None) for r, e in last.items()}
+        shown = {r: (o["profiling_name"], o["input_sizes"], o["input_dtypes"]) for r, o in ops.items() if o}
+        if len(set(map(repr, shown.values()))) > 1:
+            return "flight recorder: the ranks' collective " + f"#{seq} differs: " + "; ".join(
+                f"rank {r} {what(o)}" for r, o in sorted(ops.items()) if o)
+    missing = [r for r in range(world_size) if r not in last]
+    behind = [r for r, s in seqs.items() if s == common]
+    ahead = {r: s for r, s in seqs.items() if s > common}
+    if ahead:
+        r, s = max(ahead.items(), key=lambda kv: kv[1])
+        entry = next(x for x in last[r] if x["collective_seq_id"] == common + 1)
+        return (f"flight recorder: rank {r} ran {s} collectives, rank{'s' * (len(behind) > 1)} "
+                f"{', '.join(map(str, behind))} only {common}: rank {r}'s {what(entry)} had no partner"
+                + (f" (no record from rank {', '.join(map(str, missing))})" if missing else ""))
+    return f"flight recorder: all ranks ran {common} matching collectives" + (
+        f" (no record from rank {', '.join(map(str, missing))})" if missing else "")
+
+
+def parse_args():
+    """This chapter's flags (--bug, --fix) on top of the ones every chapter shares."""
+    mine = argparse.ArgumentParser(add_help=False)
+    mine.add_argument("--bug", choices=BUGS, required=True, help="which broken case to run")
+    mine.add_argument("--fix", action="store_true", help="run the same case with the bug fixed")
+    everything = build_parser(description=__doc__)
+    for action in mine._actions:
+        everything._add_action(action)
+    everything.parse_args()  # --help lists every flag; a bad or missing one is one line and exit 2
+    known, shared = mine.parse_known_args()
+    return parse_config(shared, description=__doc__), known.bug, known.fix
+
+
+@record
+def main():
+    cfg, bug, fix = parse_args()
+    faulthandler.enable()  # a crash below Python (gloo's abort, a segfault) still prints each thread's stack
+    # torchrun stops the other workers with SIGTERM when one fails: each prints where it was before it goes.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
+        raise UsageError("RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
+                         "`torchrun --standalone --nproc-per-node 2 debug_hang.py --bug eval-on-rank0`")
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    check_global_batch(cfg.batch_size, world_size)
+    if cfg.accum_steps != 1 or cfg.precision != "fp32" or cfg.compile:  # each case is about one collective
+        raise UsageError("debug_hang.py's cases train in fp32, eagerly, one batch per step: leave out --accum-steps, "
+                         "--precision and --compile")
+    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    output = prepare_output(cfg.output)
+    records, stacks = output / "flight_recorder", output / "stacks" / f"rank_{rank}.txt"
+    # The flight recorder: every process group made from here on keeps its last 2000 collectives, gloo's too.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
+    watch = HangWatch(cfg.timeout / 2, stacks)  # a rank that waits half of --timeout writes its stacks
+    try:
+        if rank == 0:  # no records or stacks of an earlier run to compare with
+            for old in [*records.glob("rank_*"), *stacks.parent.glob("rank_*.txt")]:
+                old.unlink()
+        dist.barrier()  # the old files are gone before anyone writes new ones
+        train(cfg, bug, fix, ctx, output, watch)
+        write_flight_record(records, rank)  # for a rank that failed later: what this one ran before it left
+    except Exception as e:
+        watch.stop()
+        if not stacks.exists():  # it failed before it waited long: the stack of the call that failed will do
+            stacks.parent.mkdir(parents=True, exist_ok=True)
+            stacks.write_text(f"=== {socket.gethostname()} pid {os.getpid()}: where it failed\n"
+                              + "".join(traceback.format_exception(e)))
+        write_flight_record(records, rank)
+        line = describe_flight_records(records, world_size, wait=min(5.0, cfg.timeout))
+        if line:
+            sys.stderr.write(f"[rank {rank}] {line}\n")
+        if stacks.exists():
+            sys.stderr.write(f"[rank {rank}] its stack: {stacks}\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback_later(15, exit=True)  # leaving the group after a failure must not hang either
+        raise
+    finally:
+        watch.stop()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

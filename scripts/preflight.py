@@ -1,0 +1,178 @@
+"""Can the ranks talk? Run this with the launcher and flags of the job, before the job: it meets the group the same
+way, says where every rank is and which network interface it uses, and times all-reduce and broadcast.
+
+    torchrun --standalone --nproc-per-node 2 scripts/preflight.py                      # as ddp_launch.py
+    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 scripts/preflight.py
+    python scripts/preflight.py --nprocs 2                                              # as ddp_mp.py (mp.spawn)
+    srun --nodes 2 --ntasks-per-node 4 python scripts/preflight.py                      # as ddp_slurm.py
+
+Every rank prints one line (host, rank, local rank, device, backend, and the interface gloo / NCCL will use);
+rank 0 prints the timings and ends with one line: `preflight: OK ...` with the ranks, hosts and the measured
+bandwidth, or `preflight: FAILED ...` naming the first rank that could not be reached and why (exit 1).
+Bandwidth is the bus bandwidth as nccl-tests defines it: all-reduce moves 2(n-1)/n of the data per rank.
+"""
+import fcntl
+import os
+import socket
+import struct
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/, when run as scripts/preflight.py
+
+from common.config import parse_config  # noqa: E402
+from common.errors import FatalError, explain, one_line_errors, run_main  # noqa: E402
+from common.ranks import DistContext, check_rendezvous, default_nprocs, free_port, rank_device  # noqa: E402
+
+SIZES = (4 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # bytes: a latency-bound, a middle and a bandwidth-bound size
+REPEATS = 5
+
+
+def interfaces():
+    """{interface name: its IPv4 address} of this machine (the first address of each)."""
+    found = {}
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def interface_in_use(backend):
+    """The interface the backend will use here, and why: its *_SOCKET_IFNAME, else what it picks by itself."""
+    variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    if os.environ.get(variable):
+        return f"{os.environ[variable]} ({variable})"
+    if backend == "nccl":
+        return "NCCL's own pick: InfiniBand if any, else the first non-loopback interface (set NCCL_SOCKET_IFNAME)"
+    # gloo without GLOO_SOCKET_IFNAME: the address this machine's host name resolves to.
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as e:
+        return f"none: host name {host} does not resolve ({e.strerror}); set GLOO_SOCKET_IFNAME"
+    names = [name for name, a in interfaces().items() if a == address or (address.startswith("127.") and name == "lo")]
+    return f"{names[0] if names else '?'} ({address}, from host name {host}; GLOO_SOCKET_IFNAME unset)"
+
+
+def timed(op, tensor, ctx):
+    """Median seconds of REPEATS runs of op(tensor), after one warm-up; every rank runs it together."""
+    op(tensor)
+    times = []
+    for _ in range(REPEATS):
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        dist.barrier()
+        start = time.perf_counter()
+        op(tensor)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(sorted(times)[len(times) // 2], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
+    return slowest.item()
+
+
+def human(nbytes):
+    return f"{nbytes // 1024 // 1024} MiB" if nbytes >= 1024 * 1024 else f"{nbytes // 1024} KiB"
+
+
+def preflight(ctx, backend):
+    """Every rank: its line, then the reachability check and the timings; rank 0 prints the result."""
+    host = socket.gethostname()
+    line = (f"[rank {ctx.rank}] host={host} local_rank={ctx.local_rank} device={ctx.device} backend={backend} "
+            f"world_size={ctx.world_size} iface={interface_in_use(backend)}")
+    print(line + "\n", end="", flush=True)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, host)
+    # Rank 0 pings each rank in turn, so a rank that cannot be reached is named, not just "a timeout".
+    ping = torch.zeros(1, device=ctx.device)
+    for peer in range(1, ctx.world_size):
+        try:
+            if ctx.rank == 0:
+                dist.send(ping, peer)
+                dist.recv(ping, peer)
+            elif ctx.rank == peer:
+                dist.recv(ping, 0)
+                dist.send(ping, 0)
+        except Exception as e:
+            raise FatalError(f"rank {peer} (host {everyone[peer]}) could not be reached from rank 0: {explain(e)}") from None
+    results = []
+    for size in SIZES:
+        tensor = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)
+        n = ctx.world_size
+        seconds = timed(dist.all_reduce, tensor, ctx)
+        results.append(("all_reduce", size, seconds, size * 2 * (n - 1) / n / seconds))
+        seconds = timed(lambda t: dist.broadcast(t, 0), tensor, ctx)
+        results.append(("broadcast", size, seconds, size / seconds))
+    if ctx.rank == 0:
+        for name, size, seconds, busbw in results:
+            print(f"{name:>10} {human(size):>7}: {seconds * 1e3:8.3f} ms  {busbw / 1e9:7.3f} GB/s bus bandwidth")
+        hosts = {}
+        for rank, h in enumerate(everyone):
+            hosts.setdefault(h, []).append(rank)
+        where = ", ".join(f"{h}: {','.join(map(str, r))}" for h, r in hosts.items())
+        big = {name: busbw for name, size, _, busbw in results if size == SIZES[-1]}
+        print(f"preflight: OK: {ctx.world_size} ranks on {len(hosts)} host{'s' * (len(hosts) > 1)} ({where}); "
+              f"{human(SIZES[-1])} all_reduce {big['all_reduce'] / 1e9:.3f} GB/s, broadcast "
+              f"{big['broadcast'] / 1e9:.3f} GB/s (bus bandwidth, {backend})", flush=True)
+
+
+def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
+    """Join the group as the job would (same backend, rendezvous and --timeout), run the checks, leave."""
+    device = rank_device(cfg.device, local_rank, ranks_here)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=cfg.timeout))
+    except Exception as e:
+        raise FatalError(f"preflight: FAILED: rank {rank} on {socket.gethostname()} could not meet the others at "
+                         f"{init_method}: {explain(e)}") from None
+    try:
+        preflight(ctx, backend)
+    except FatalError as e:
+        raise FatalError(f"preflight: FAILED: {e}") from None
+    finally:
+        dist.destroy_process_group()
+
+
+@one_line_errors
+def spawned(rank, cfg, world_size):
+    run_rank(rank, rank, world_size, world_size, cfg, "env://")
+
+
+def main():
+    cfg = parse_config(description=__doc__, chapter_flags=("nprocs",))  # the job's flags are accepted as they are
+    if cfg.nprocs is not None or not ({"RANK", "WORLD_SIZE"} <= os.environ.keys() or "SLURM_STEP_ID" in os.environ):
+        world_size = cfg.nprocs or default_nprocs(cfg.device)  # as ddp_mp.py: mp.spawn on this machine
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        mp.spawn(spawned, args=(cfg, world_size), nprocs=world_size)
+    elif "RANK" in os.environ:  # torchrun
+        run_rank(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]),
+                 int(os.environ["LOCAL_WORLD_SIZE"]), cfg, "env://")
+    else:  # a task of srun, as ddp_slurm.py
+        from common.slurm import check_srun_task, slurm_master
+
+        check_srun_task()
+        rank = int(os.environ["SLURM_PROCID"])
+        master_addr, master_port = slurm_master()
+        init_method = f"tcp://{master_addr}:{master_port}"
+        check_rendezvous(init_method, rank, cfg.timeout)
+        run_rank(rank, int(os.environ["SLURM_LOCALID"]), int(os.environ["SLURM_NTASKS"]), None, cfg, init_method)
+
+
+if __name__ == "__main__":
+    run_main(main)

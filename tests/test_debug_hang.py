@@ -1,0 +1,105 @@
+"""Chapter 8 under torchrun, 2 ranks on gloo: every broken case ends non-zero soon after --timeout, naming the
+mismatch; every --fix trains chapter 1's model."""
+import re
+import time
+
+import pytest
+
+from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, run_script, slice_args
+from test_ddp import SAME_MODEL
+from test_faults import Watched
+
+TIMEOUT = 5  # --timeout: how long a rank waits for its peers in any collective
+# From the first "Epoch" line to the exit: the wait (--timeout at most), 5 s for the ranks to compare flight
+# records, and the slow exit of 2 torch processes on 2 shared cores.
+BOUND = TIMEOUT + 25
+# What each case needs on top of SLICE: one image more (uneven), a test set of 10 (bincount), a third epoch (stop).
+EXTRA = {"eval-on-rank0": [], "early-stop": ["--epochs", "3"], "uneven-batches": ["--train-samples", "961"],
+         "shape-mismatch": ["--test-samples", "10"]}
+
+
+def debug_hang(procs, real_data, out, bug, *more, env=BASE_ENV):
+    """torchrun debug_hang.py --bug BUG on 2 ranks; (returncode, stdout, stderr, seconds from "Epoch 1" to the end)."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "debug_hang.py", *slice_args(real_data, out),
+           "--timeout", str(TIMEOUT), "--bug", bug, *EXTRA[bug], *more]
+    run = Watched(procs, cmd, env=env)
+    run.wait_for("Epoch 1", timeout=120)
+    start = time.monotonic()
+    code, out_text, err = run.finish(timeout=120)
+    return code, out_text, err, time.monotonic() - start
+
+
+def errors(err):
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("bug", list(EXTRA))
+def test_broken_case_fails_soon_naming_the_mismatch(bug, procs, real_data, tmp_path):
+    code, out, err, seconds = debug_hang(procs, real_data, tmp_path, bug)
+    assert code != 0, err
+    assert seconds < BOUND, f"{seconds:.1f}s\n{err}"
+    if bug == "early-stop":
+        # Rank 0 left after epoch 2; rank 1 went on into epoch 3's gradient all-reduce, alone. Its peer's exit
+        # closed the connection; the ranks' flight records say which collective had no partner, and rank 1's
+        # stack, taken while it waited, says where it was.
+        assert "Early stop after epoch 2" in out  # and rank 0 prints "Done!": it thinks the job is over
+        assert re.search(r"\[rank 1\] flight recorder: rank 1 ran (\d+) collectives, rank 0 only (\d+): rank 1's "
+                         r"#\d+ gloo:all_reduce \[267786\] Float had no partner", err), err
+        assert errors(err) == [x for x in errors(err) if "[rank 1] lost contact with the other ranks" in x] != [], err
+        stack = (tmp_path / "stacks" / "rank_1.txt").read_text()
+        assert "train_one_epoch" in stack and f"[rank 1] its stack: {tmp_path}" in err, stack
+        return
+    assert "Done!" not in out
+    # Sizes that differ: gloo aborts the process that receives the wrong size, naming it as a collective mismatch;
+    # faulthandler prints the dying rank's stack, and the other rank's as torchrun stops it.
+    assert "Received data size doesn't match expected size" in err
+    assert "Is there a distributed collective mismatch in your code?" in err, err
+    assert err.count("(most recent call first)") >= 2, err
+    where = {"eval-on-rank0": 'in evaluate', "uneven-batches": 'in train_one_epoch',
+             "shape-mismatch": 'in per_class_accuracy'}[bug]
+    assert where in err, err
+    if bug == "uneven-batches":
+        assert "[rank 0] 481 training images, 21 batches" in out and "[rank 1] 480 training images, 20 batches" in out
+
+
+# What TORCH_DISTRIBUTED_DEBUG=DETAIL's check raised on rank 1 in `debug_hang.py --bug eval-on-rank0` (torch 2.14.1,
+# gloo). Not run here each time: with DETAIL, DDP's constructor crashed (SIGSEGV) in most runs on this torch.
+DETAIL_MESSAGE = (
+    "Detected mismatch between collectives on ranks. Rank 1 is running collective: CollectiveFingerPrint("
+    "SequenceNumber=51, OpType=ALLREDUCE, TensorShape=[267786], TensorDtypes=Float, TensorDeviceTypes=TensorOptions("
+    "dtype=float (default), device=cpu, layout=Strided (default), requires_grad=false (default), pinned_memory=false "
+    "(default), memory_format=(nullopt))), but Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=51, "
+    "OpType=ALLREDUCE, TensorShape=[3], TensorDtypes=Double, TensorDeviceTypes=TensorOptions(dtype=float (default), "
+    "device=cpu, layout=Strided (default), requires_grad=false (default), pinned_memory=false (default), "
+    "memory_format=(nullopt))).Collectives differ in the following aspects:   Tensor Tensor shapes: 267786vs 3  "
+    "Tensor Tensor dtypes: Floatvs Double")
+
+
+def test_detail_check_names_both_collectives():
+    from common.errors import explain
+
+    line = explain(RuntimeError(DETAIL_MESSAGE))
+    assert line.startswith("collective mismatch: rank 1 runs collective #51 ALLREDUCE [267786] Float, rank 0 runs "
+                           "#51 ALLREDUCE [3] Double: every rank must call the same collectives"), line
+
+
+@pytest.fixture(scope="module")
+def reference_961(real_data, tmp_path_factory):
+    """single_gpu.py on SLICE with 961 training images: what the fixed uneven case must train."""
+    out = tmp_path_factory.mktemp("single961")
+    proc = run_script("single_gpu.py", *slice_args(real_data, out), "--train-samples", "961")
+    assert proc.returncode == 0, proc.stderr
+    return load_state(out / "model.pth")
+
+
+@pytest.mark.parametrize("bug", list(EXTRA))
+def test_fix_trains_chapter_1s_model(bug, procs, real_data, reference, reference_961, tmp_path):
+    code, out, err, _ = debug_hang(procs, real_data, tmp_path, bug, "--fix")
+    assert code == 0, err
+    assert out.count("Done!") == 1 and not errors(err), err
+    if bug == "early-stop":  # the ranks stop together after epoch 2 of 3: chapter 1's 2 epochs
+        assert "Early stop after epoch 2" in out and "Epoch 3" not in out
+    if bug == "shape-mismatch":
+        assert re.search(r"^Per class:( \d+%){10}$", out, re.M), out
+    expected = reference_961 if bug == "uneven-batches" else reference[0]
+    assert max_abs_diff(expected, load_state(tmp_path / "model.pth")) <= SAME_MODEL

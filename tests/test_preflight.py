@@ -1,0 +1,76 @@
+"""scripts/preflight.py with the launchers the jobs use: torchrun, mp.spawn, and torchrun on two machines."""
+import re
+import sys
+import time
+
+import pytest
+
+from conftest import TORCHRUN
+from netns import IFNAME, NODES, TwoMachines
+from test_multinode import NODE_ENV, PORT, need_namespaces
+
+OK = re.compile(r"^preflight: OK: 2 ranks on (\d) hosts? \((.+)\); 16 MiB all_reduce (\d+\.\d+) GB/s, broadcast "
+                r"(\d+\.\d+) GB/s \(bus bandwidth, gloo\)$", re.M)
+
+
+def rank_lines(out):
+    return re.findall(r"^\[rank (\d)\] host=(\S+) local_rank=(\d) device=cpu backend=gloo world_size=2 iface=(\S+) ",
+                      out, re.M)
+
+
+def check_ok(out, hosts, where):
+    match = OK.search(out)
+    assert match and match[1] == str(hosts) and match[2] == where, out
+    assert float(match[3]) > 0 and float(match[4]) > 0
+    assert out.rstrip().splitlines()[-1] == match[0]  # the last line
+    for op in ("all_reduce", "broadcast"):  # every size, timed
+        assert len(re.findall(rf"^ *{op} +(4 KiB|1 MiB|16 MiB): +\d+\.\d+ ms", out, re.M)) == 3, out
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn"])
+def test_preflight_on_one_machine(launcher, procs):
+    cmd = ([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "scripts/preflight.py"] if launcher == "torchrun"
+           else [sys.executable, "scripts/preflight.py", "--nprocs", "2"])
+    code, out, err = procs.wait(procs.start([*cmd, "--timeout", "30"]), timeout=120)
+    assert code == 0, err
+    lines = rank_lines(out)
+    assert sorted((r, lr) for r, _, lr, _ in lines) == [("0", "0"), ("1", "1")], out
+    host = lines[0][1]
+    assert all(iface == "lo" for *_, iface in lines), out  # the host name resolves to a loopback address here
+    check_ok(out, 1, f"{host}: 0,1")
+
+
+def test_preflight_on_two_machines(procs):
+    """One rank per namespace, GLOO_SOCKET_IFNAME=eth1 as the docs say: two hosts, each on eth1."""
+    need_namespaces()
+    with TwoMachines() as net:
+        started = [procs.start(net.command(node, [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+                                                  str(i), "--master-addr", NODES["nodea"], "--master-port", PORT,
+                                                  "scripts/preflight.py", "--timeout", "30"]), env=NODE_ENV)
+                   for i, node in enumerate(NODES)]
+        (code_a, out_a, err_a), (code_b, out_b, err_b) = [procs.wait(p, timeout=120) for p in started]
+    assert (code_a, code_b) == (0, 0), err_a + err_b
+    assert rank_lines(out_a) == [("0", "nodea", "0", IFNAME)] and rank_lines(out_b) == [("1", "nodeb", "0", IFNAME)]
+    check_ok(out_a, 2, "nodea: 0, nodeb: 1")
+    assert "preflight:" not in out_b  # rank 0 speaks for the job
+
+
+def test_preflight_names_the_rank_that_cannot_join(procs):
+    """nodeb names an interface it does not have: its rank says so, and nodea's rank stops within --timeout."""
+    need_namespaces()
+    with TwoMachines() as net:
+        envs = {"nodea": NODE_ENV, "nodeb": dict(NODE_ENV, GLOO_SOCKET_IFNAME="eth9")}
+        start = time.monotonic()
+        started = [procs.start(net.command(node, [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+                                                  str(i), "--master-addr", NODES["nodea"], "--master-port", PORT,
+                                                  "scripts/preflight.py", "--timeout", "10"]), env=envs[node])
+                   for i, node in enumerate(NODES)]
+        (code_a, out_a, err_a), (code_b, _, err_b) = [procs.wait(p, timeout=120) for p in started]
+        seconds = time.monotonic() - start
+    assert code_a != 0 and code_b != 0 and seconds < 10 + 40, (seconds, err_a, err_b)
+    (line,) = [x for x in err_b.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: [rank 1] preflight: FAILED: rank 1 on nodeb could not meet the others at env://: "
+                           "GLOO_SOCKET_IFNAME=eth9 is not a network interface of this machine"), line
+    (line,) = [x for x in err_a.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: [rank 0] preflight: FAILED: rank 0 on nodea could not meet the others"), line
+    assert "preflight: OK" not in out_a
