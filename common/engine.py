@@ -68,8 +68,11 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
     _sync(ctx.device)
     start = time.perf_counter()
     batches = iter(loader)
-    for step in range(steps):
-        micro = list(itertools.islice(batches, cfg.accum_steps))  # this step's micro-batches (already on the device)
+    step = -1
+    # Until the loader is exhausted (a loader that wraps its batches in a context, as torch's Join does, closes it
+    # only then): each step takes its --accum-steps micro-batches, already on the device.
+    while micro := list(itertools.islice(batches, cfg.accum_steps)):
+        step += 1
         images = sum(len(y) for _, y in micro)  # this rank's share of the global batch
         step_loss = torch.zeros((), device=ctx.device)
         for i, (X, y) in enumerate(micro):

@@ -162,7 +162,7 @@ def test_chapter_diff_stays_focused():
     for script in DDP_CHAPTERS:
         diff = subprocess.run(["diff", "single_gpu.py", script], cwd=REPO, capture_output=True, text=True).stdout
         changed = [line for line in diff.splitlines() if line[:2] in ("< ", "> ")]
-        assert len(changed) <= 90, (script, diff)
+        assert len(changed) <= 100, (script, diff)  # chapter 3: 100, with the SIGUSR1 stop job_torchrun.sh needs
 
 
 def test_ranks_started_with_different_flags_stop_with_one_line(procs):
