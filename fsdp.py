@@ -230,6 +230,10 @@ def main():
         raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {world_size} ranks: under FSDP every rank "
                          f"must run every test batch (forward() gathers the weights); use at least {world_size}")
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))  # cuda:<local_rank>, or the CPU
+    if device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
+        raise UsageError(f"fsdp.py on the CPU needs a torch whose FSDP2 runs on CPU streams (torch.cpu.Stream."
+                         f"record_event; 2.14.1 has it, 2.6.0 does not); this is torch {torch.__version__}: upgrade "
+                         f"torch, or run fsdp.py on GPUs")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
