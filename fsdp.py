@@ -32,8 +32,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
-from common.checkpoint import TRAJECTORY_FLAGS, atomic_save, prepare_output
-from common.config import flag_text, parse_config
+from common.checkpoint import TRAJECTORY_FLAGS, atomic_save, check_resumable, prepare_output
+from common.config import parse_config
 from common.data import ShardSampler, load_fashion_mnist, make_loader
 from common.engine import evaluate, train_one_epoch
 from common.errors import FatalError, UsageError, run_main
@@ -173,17 +173,8 @@ def load_sharded_snapshot(model, optimizer, cfg, ctx):
         raise FatalError(f"snapshot {folder} cannot be read ({type(e).__name__} in snapshot.pt): {fix}") from None
     if not isinstance(about, dict) or about.get("format") != SHARDED_FORMAT:
         raise FatalError(f"{folder} is not a sharded snapshot of this tutorial; {fix}")
-    made_with = about["config"]
-    different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
-    if different:
-        theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
-        ours = " ".join(flag_text(n, getattr(cfg, n)) for n in different)
-        raise FatalError(f"snapshot {folder} was made with {theirs}, this run has {ours}; resume with the "
-                         f"snapshot's flags, or {fix}")
     epochs_done = about["epochs_done"]
-    if epochs_done > cfg.epochs:
-        raise FatalError(f"snapshot {folder} has {epochs_done} epochs done, more than --epochs {cfg.epochs}; pass "
-                         f"--epochs {epochs_done} or more, or {fix}")
+    check_resumable(about["config"], epochs_done, cfg, folder, fix)  # the same flags, not ahead of --epochs
     # Ask for this rank's slices at this world size; dcp.load reads from every saved file the pieces they need,
     # however many ranks wrote them. set_state_dict then puts them into the model and the optimizer.
     model_state, optimizer_state = get_state_dict(model, optimizer)

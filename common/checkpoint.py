@@ -84,6 +84,19 @@ def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx):
         raise FatalError(f"rank 0 could not write the snapshot {cfg.snapshot} (see its error)")
 
 
+def check_resumable(made_with, epochs_done, cfg, where, fix):
+    """A snapshot made with these trajectory flags and epochs_done can continue this run; else one line saying why."""
+    different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
+    if different:
+        theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
+        ours = " ".join(flag_text(n, getattr(cfg, n)) for n in different)
+        raise FatalError(f"snapshot {where} was made with {theirs}, this run has {ours}; resume with the "
+                         f"snapshot's flags, or {fix}")
+    if epochs_done > cfg.epochs:
+        raise FatalError(f"snapshot {where} has {epochs_done} epochs done, more than --epochs {cfg.epochs}; pass "
+                         f"--epochs {epochs_done} or more, or {fix}")
+
+
 def load_snapshot(model, optimizer, scaler, cfg, ctx):
     """With --snapshot FILE and FILE there: load it into model and optimizer, return the epochs it holds; else 0."""
     if not cfg.snapshot:
@@ -104,12 +117,7 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx):
         raise FatalError(f"{path} is not a snapshot of this tutorial (a model.pth or another program's file?); {fix}")
     made_with = snapshot["config"]
     made_with.setdefault("precision", "fp32")  # snapshots from before --precision existed
-    different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
-    if different:
-        theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
-        ours = " ".join(flag_text(n, getattr(cfg, n)) for n in different)
-        raise FatalError(f"snapshot {path} was made with {theirs}, this run has {ours}; resume with the "
-                         f"snapshot's flags, or {fix}")
+    check_resumable(made_with, snapshot["epochs_done"], cfg, path, fix)
     try:
         getattr(model, "module", model).load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
@@ -119,9 +127,6 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx):
         reason = str(e).strip().splitlines()[0]
         raise FatalError(f"snapshot {path} holds a different model ({reason}); {fix}") from None
     epochs_done = snapshot["epochs_done"]
-    if epochs_done > cfg.epochs:
-        raise FatalError(f"snapshot {path} has {epochs_done} epochs done, more than --epochs {cfg.epochs}; pass "
-                         f"--epochs {epochs_done} or more, or {fix}")
     left = f"continuing with epoch {epochs_done + 1}" if epochs_done < cfg.epochs else "nothing left to train"
     print0(ctx, f"Resuming from {path}: {epochs_done} of {cfg.epochs} epochs done, {left}")
     return epochs_done
