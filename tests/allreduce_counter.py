@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import Config  # noqa: E402
 from common.data import TensorImages, make_loader  # noqa: E402
 from common.engine import steps_per_epoch, train_one_epoch  # noqa: E402
+from common.errors import run_main  # noqa: E402
 from common.metrics import MetricsLog  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
 from common.ranks import DistContext  # noqa: E402
@@ -54,4 +55,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # as every entry script: its exit skips the interpreter shutdown that can abort
