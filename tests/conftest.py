@@ -92,12 +92,25 @@ BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", OMP
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
+# What a process prints when a C++ thread is ended while the interpreter shuts down (see common/errors.py's
+# end_process); no process of this project may ever print it, whatever the test expects otherwise.
+ABORT_AT_EXIT = "terminate called without an active exception"
+
+
+def no_abort_at_exit(err):
+    """Fail the test if a process's stderr shows the abort at exit."""
+    if ABORT_AT_EXIT in (err or ""):
+        pytest.fail(f"a process aborted at exit ({ABORT_AT_EXIT}):\n{err}")
+
+
 def run_script(script, *args, cwd=None, env=None, timeout=600):
     """Run an entry script as a user would (its own process), returning the CompletedProcess."""
-    return subprocess.run(
+    proc = subprocess.run(
         [sys.executable, str(REPO / script), *map(str, args)],
         cwd=cwd or REPO, env={**BASE_ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout,
     )
+    no_abort_at_exit(proc.stderr)
+    return proc
 
 
 class Procs:
@@ -120,6 +133,7 @@ class Procs:
             self.kill(p)
             out, err = p.communicate()
             pytest.fail(f"{p.args} still running after {timeout}s:\n{out}\n{err}")
+        no_abort_at_exit(err)
         return p.returncode, out, err
 
     def kill(self, p):

@@ -25,7 +25,7 @@ import torch
 
 from common.model import NeuralNetwork
 from common.ranks import free_port
-from conftest import BASE_ENV, REPO, TORCHRUN, make_fake_fashion_mnist, run_script
+from conftest import BASE_ENV, REPO, TORCHRUN, make_fake_fashion_mnist, no_abort_at_exit, run_script
 from test_ddp import stale_rendezvous_file
 from test_faults import SLURM_ENV  # rank 0 of a 2-task job on localhost
 
@@ -121,6 +121,7 @@ def test_doc_commands_run(doc, real_data, workspace):
             # construction, stands in for it. tests/test_slurm.py checks the real job's metrics against chapter 1.
             shutil.copytree(workspace / "runs" / "ddp_mp", slurm_run)
         proc = subprocess.run(["bash", "-c", cmd], cwd=workspace, env=env, capture_output=True, text=True, timeout=300)
+        no_abort_at_exit(proc.stderr)
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # a signal, as a shell shows it
         assert code == (status or 0), f"{doc}: `{command}` exited {code}, expected {status or 0}\n" \
                                            f"ran: {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -350,6 +351,7 @@ def test_troubleshooting_message_is_what_the_script_prints(message, tmp_path):
             proc = run_script(script, *args, cwd=tmp_path, env=env, timeout=120)
             scene = proc.returncode, proc.stderr
     code, stderr = scene
+    no_abort_at_exit(stderr)
     errors = [line for line in stderr.splitlines() if "error:" in line]
     assert code in (1, 2) and "Traceback" not in stderr, stderr
     assert len(errors) == 1 and message_pattern(message).match(errors[0]), \

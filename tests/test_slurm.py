@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.metrics import read_metrics
-from conftest import REPO, assert_same_curves, load_state, max_abs_diff, slice_args
+from conftest import REPO, assert_same_curves, load_state, max_abs_diff, no_abort_at_exit, slice_args
 
 # The CPU-only overrides README gives: one node, 2 tasks of one core each, no GPUs.
 CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
@@ -29,7 +29,10 @@ def submit(slurm, script, opts, args, tmp_path, env=None, timeout=240, wait=True
     job_id, rc = slurm.sbatch(script, *opts, f"--output={tmp_path}/%j.out", script_args=args, cwd=REPO,
                               env=job_env(**(env or {})), timeout=timeout, wait=wait)
     assert job_id is not None, f"sbatch refused the job: {rc}"
-    return job_id, rc, tmp_path / f"{job_id}.out"
+    log = tmp_path / f"{job_id}.out"
+    if wait and log.exists():
+        no_abort_at_exit(log.read_text())
+    return job_id, rc, log
 
 
 def accuracy_lines(log):
