@@ -47,7 +47,7 @@ def train(cfg, ctx):
     if cfg.compile:  # compiled on the CPU or one GPU; on several, DataParallel's replicas in threads run eagerly
         model.compile()
     print0(ctx, model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # --precision fp16 (GPU only): scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
 

@@ -61,7 +61,7 @@ def train(cfg, ctx):
         # backward() goes on. Compiled before the wrap, backward is one graph that hands DDP every gradient at its end.
         model.compile()
     print0(ctx, model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # --precision fp16 (GPU only): scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
 

@@ -148,7 +148,7 @@ def train(cfg, bug, fix, ctx, output, watch):
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = DDP(NeuralNetwork().to(ctx.device), device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
     model.register_forward_pre_hook(watch.step)  # every step (and test batch) tells the watch it is alive
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     if bug == "uneven-batches" and fix:
         train_loader = JoinedLoader(train_loader, model)
 

@@ -79,7 +79,7 @@ def train(cfg, ctx):
         model.compile()
     print0(ctx, model)
     show_parameter_bytes(model, ctx)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)  # after fully_shard: it steps this rank's slices
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # after fully_shard: it steps this rank's slices
 
     first_epoch = load_sharded_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot folder holds
     metrics = MetricsLog(output, ctx, first_epoch)

@@ -37,7 +37,7 @@ def train(cfg, ctx):
     if cfg.compile:  # in place: TorchDynamo captures forward and backward as fused kernels; state_dict() keeps its keys
         model.compile()
     print0(ctx, model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # --precision fp16 (GPU only): scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
 

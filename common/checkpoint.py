@@ -14,7 +14,7 @@ SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v2"
 # The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones.
 # The world size, device, data folder and --epochs may change: the same global batch trains the same model.
 # --accum-steps may change too (the same global batch), --precision may not (bf16 steps are not fp32 steps).
-TRAJECTORY_FLAGS = ("batch_size", "lr", "seed", "train_samples", "precision")
+TRAJECTORY_FLAGS = ("batch_size", "lr", "momentum", "seed", "train_samples", "precision")
 
 
 def prepare_output(folder, flag="--output"):
@@ -86,6 +86,7 @@ def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx):
 
 def check_resumable(made_with, epochs_done, cfg, where, fix):
     """A snapshot made with these trajectory flags and epochs_done can continue this run; else one line saying why."""
+    made_with = {"precision": "fp32", "momentum": 0.0, **made_with}  # older snapshots: from before these flags
     different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
     if different:
         theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
@@ -115,9 +116,7 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx):
                          f"of file? {fix}") from None
     if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
         raise FatalError(f"{path} is not a snapshot of this tutorial (a model.pth or another program's file?); {fix}")
-    made_with = snapshot["config"]
-    made_with.setdefault("precision", "fp32")  # snapshots from before --precision existed
-    check_resumable(made_with, snapshot["epochs_done"], cfg, path, fix)
+    check_resumable(snapshot["config"], snapshot["epochs_done"], cfg, path, fix)
     try:
         getattr(model, "module", model).load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])

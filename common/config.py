@@ -16,6 +16,7 @@ class Config:
     epochs: int = 5  # the quickstart's 5 epochs reach ~64% test accuracy
     batch_size: int = 64  # GLOBAL batch: the DDP chapters split it evenly over the ranks
     lr: float = 1e-3  # plain SGD at the quickstart's rate, so the curves match it
+    momentum: float = 0.0  # SGD momentum: 0 is the quickstart's plain SGD; above 0 the optimizer has state to save
     seed: int = 0  # same seed + same global batch = same model in every chapter
     data_dir: Optional[str] = None  # torchvision layout; unset: ./data, the system copy, then download
     device: Optional[str] = None  # unset: cuda if a GPU is visible, else cpu
@@ -42,7 +43,7 @@ class Config:
         shown = {k: v for k, v in items if k not in CHAPTER_FLAGS or v is not None}
         if self.snapshot is None:  # no snapshots: their settings change nothing
             del shown["snapshot"], shown["save_every"]
-        for name in ("accum_steps", "precision", "compile"):  # shown when used: the quickstart's line otherwise
+        for name in ("momentum", "accum_steps", "precision", "compile"):  # shown when used: the quickstart's line otherwise
             if shown[name] == getattr(Config, name):
                 del shown[name]
         return "Config: " + " ".join(f"{k}={v}" for k, v in shown.items())
@@ -84,6 +85,16 @@ def _positive_float(text):
     return value
 
 
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
+    return value
+
+
 CHAPTER_FLAGS = {
     "nprocs": dict(type=_positive_int, help="processes to start (default: one per visible GPU, or 2 on a CPU)"),
     "init_method": dict(help="rendezvous: tcp://HOST:PORT (HOST = rank 0's address) or file:///shared/path"),
@@ -100,6 +111,7 @@ def build_parser(description=None, chapter_flags=()):
     p.add_argument("--epochs", type=_positive_int, default=d.epochs, help="passes over the training set (default %(default)s)")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="GLOBAL batch size, summed over all ranks (default %(default)s)")
     p.add_argument("--lr", type=_positive_float, default=d.lr, help="SGD learning rate (default %(default)s)")
+    p.add_argument("--momentum", type=_fraction, default=d.momentum, help="SGD momentum, 0 <= m < 1 (default %(default)s: plain SGD)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for the weights and the shuffling (default %(default)s)")
     p.add_argument("--data-dir", default=d.data_dir, help="FashionMNIST folder (torchvision layout); default ./data, then the system copy, then download")
     p.add_argument("--device", default=d.device, help="cpu or cuda; cuda:N in chapters 1-2 (default: cuda if visible, else cpu)")

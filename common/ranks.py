@@ -123,7 +123,7 @@ def cpu_threads(ranks_here):
 
 # Flags every rank must share: with others, the ranks take different numbers of steps or collectives, and gloo
 # aborts the process (SIGABRT) on the first mismatched one. --data-dir, --output and --device may differ.
-SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "seed", "train_samples", "test_samples", "log_every", "save_every",
+SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_samples", "test_samples", "log_every", "save_every",
                       "accum_steps", "precision", "compile")
 
 
