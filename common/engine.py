@@ -99,8 +99,22 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
     _sync(ctx.device)
     seconds = time.perf_counter() - start
     print0(ctx, f"Train time: {seconds:.2f}s ({count / seconds:.0f} samples/s), train loss: {total / count:>7f}")
+    if cfg.compile:
+        print0(ctx, compiled_so_far())
     metrics.note(step=(epoch + 1) * steps, train_loss=total / count, train_seconds=seconds,
                  samples_per_second=count / seconds)
+
+
+def compiled_so_far():
+    """One line from torch's own counters: the graphs TorchDynamo captured and the parts AOTAutograd compiled.
+
+    Evaluation (no gradients) is a graph of its own, from the first epoch's test on; under DDP, Dynamo cuts the
+    training graph where a gradient bucket ends, so it is compiled in more parts than there are graphs.
+    """
+    from torch._dynamo.utils import counters
+
+    graphs, parts = counters["stats"]["unique_graphs"], counters["aot_autograd"]["ok"]
+    return f"torch.compile so far: {graphs} graph{'s' * (graphs != 1)} captured, compiled in {parts} part{'s' * (parts != 1)}"
 
 
 @torch.no_grad()
