@@ -14,8 +14,10 @@ from conftest import BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, m
 
 DDP_CHAPTERS = ["ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py"]
 # Chapter 1 and the DDP chapters at 1 thread per process differ only in how the gradients are summed (one
-# 48-image batch, or 2-3 shards averaged by all_reduce): measured at most 4e-9 after SLICE's 40 steps.
-SAME_MODEL = 1e-5
+# 48-image batch, or 2-3 shards averaged by all_reduce): measured at most 3.7e-9 after SLICE's 40 steps (one float32
+# step of a weight near 0.03). Allowed: 1e-6, room for other CPUs' summation orders, and 30x below what a step with
+# its micro-batches weighted wrongly moves (3.4e-5, tests/mutations.py accum-one-over-k).
+SAME_MODEL = 1e-6
 
 
 def launch(kind, world, real_data, out, procs, timeout=60, extra=()):
@@ -82,13 +84,22 @@ def test_two_torchrun_nodes_on_one_machine(real_data, reference, tmp_path, procs
     (0, ["only 1 of 2 processes reached the rendezvous", "start every rank"]),  # the master's peer never comes
 ], ids=["unreachable-master", "missing-peer"])
 def test_lone_rank_fails_within_the_timeout(rank, needles, procs):
-    """--timeout 10 means 10 s, plus the start-up (importing torch), not torch's retries after it (16-43 s)."""
+    """--timeout 10 means 10 s after the start-up, not torch's retries after it (16-43 s).
+
+    The start-up (importing torch) is measured here, at this moment's load: the chapter's own `--help` exits right
+    after its imports. A loaded machine stretches both alike.
+    """
+    start = time.monotonic()
+    code, _, err = procs.wait(procs.start([sys.executable, "ddp_tcp_manual.py", "--help"]), timeout=120)
+    assert code == 0, err
+    startup = time.monotonic() - start
     port = free_port()
     start = time.monotonic()
     p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{port}",
                      "--rank", str(rank), "--world-size", "2", "--timeout", "10"])
-    code, _, err = procs.wait(p, timeout=60)
-    assert code == 1 and time.monotonic() - start < 10 + 10, err
+    code, _, err = procs.wait(p, timeout=120)
+    seconds = time.monotonic() - start
+    assert code == 1 and seconds < startup + 10 + 5, (seconds, startup, err)
     one_error_line(err, f"[rank {rank}]", *(n.format(port=port) for n in needles))
 
 

@@ -14,7 +14,6 @@ import torch
 
 from common.ranks import free_port
 from conftest import BASE_ENV, REPO, TORCHRUN, load_state, max_abs_diff, one_error_line, run_script
-from test_ddp import SAME_MODEL
 from test_faults import SLURM_ENV
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none here")
@@ -27,6 +26,9 @@ SLICE = ["--train-samples", "960", "--test-samples", "500", "--batch-size", "48"
 # measured on a GPU: the bound is the CPU's own 1-vs-2-thread spread (3e-6 after 600 steps) with a wide margin. The
 # test prints the measured figure; a GPU session records it in RUN.md.
 CUDA_VS_CPU = 1e-4
+# CUDA runs against the CUDA chapter 1: the CPU's bound (test_ddp.SAME_MODEL, 1e-6) widened 10x, a guess until a GPU
+# session measures the spread (NCCL's all-reduce and cuBLAS pick their own summation orders).
+SAME_MODEL = 1e-5
 
 
 def chapter_command(script, out, data, *extra):

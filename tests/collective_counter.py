@@ -1,0 +1,89 @@
+"""Started by tests/test_training_flags.py under torchrun: how often the gradients cross the network per step.
+
+One epoch of common.engine.train_one_epoch with --accum-steps 1, 2 and 4, wrapped as DDP and as FSDP2 (as the
+chapters wrap it), on 192 random images. DDP: a communication hook sees every bucket DDP all-reduces (and passes it
+on to the default all-reduce), and which of them closed a backward (the last bucket). FSDP2: every
+reduce_scatter_single FSDP2 calls is counted on its way through. Rank 0 prints one JSON line per wrap and K: the
+optimizer steps, the micro-batches, and the counts.
+"""
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.config import Config  # noqa: E402
+from common.data import TensorImages, make_loader  # noqa: E402
+from common.engine import steps_per_epoch, train_one_epoch  # noqa: E402
+from common.errors import run_main  # noqa: E402
+from common.metrics import MetricsLog  # noqa: E402
+from common.model import NeuralNetwork  # noqa: E402
+from common.ranks import DistContext  # noqa: E402
+
+
+def ddp(counts):
+    """NeuralNetwork in DDP, with a hook that records each bucket's all-reduce (True: the backward's last)."""
+    model = DDP(NeuralNetwork())
+
+    def counting_hook(process_group, bucket):
+        counts.append(bucket.is_last())
+        return allreduce_hook(process_group, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    return model
+
+
+def fsdp(counts):
+    """NeuralNetwork sharded as fsdp.py shards it: each Linear a unit, then the root."""
+    model = NeuralNetwork()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.linear_relu_stack:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def main():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size())
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (192, 1, 28, 28), dtype=torch.uint8, generator=g)
+    data = TensorImages(images, torch.randint(0, 10, (192,), generator=g))
+    counts = []
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counting_reduce_scatter(*args, **kwargs):  # FSDP2 calls dist.reduce_scatter_single for each unit's gradients
+        counts.append(False)
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting_reduce_scatter
+    try:
+        for wrap in (ddp, fsdp):
+            for k in (1, 2, 4):
+                cfg = Config(batch_size=32, accum_steps=k, log_every=1000)
+                sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
+                loader = make_loader(data, cfg.batch_size // (ctx.world_size * k), sampler)
+                torch.manual_seed(0)
+                counts.clear()
+                model = wrap(counts)
+                optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+                train_one_epoch(model, loader, optimizer, None, 0, cfg, ctx, MetricsLog(None, ctx))
+                if ctx.is_main:
+                    print(json.dumps(dict(wrap=wrap.__name__, accum_steps=k, micro_batches=len(loader),
+                                          steps=steps_per_epoch(loader, cfg), collectives=len(counts),
+                                          backward_ends=sum(counts))), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)  # as every entry script: its exit skips the interpreter shutdown that can abort
