@@ -13,13 +13,16 @@ import torch
 
 from common.metrics import read_metrics
 from common.ranks import free_port
-from conftest import BASE_ENV, REPO, TORCHRUN, load_state, max_abs_diff, one_error_line, run_script
+from conftest import (BASE_ENV, REPO, TORCHRUN, load_state, max_abs_diff, no_abort_at_exit, one_error_line,
+                      run_script)
 
 # torchrun --max-restarts as the docs show it: every restart meets in a fresh store (see ddp_launch.py).
 ELASTIC_ENV = dict(BASE_ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
-# Long enough epochs (200 steps) that a kill lands inside one; short enough to keep the suite quick.
-LONG = ["--train-samples", "9600", "--test-samples", "500", "--batch-size", "48", "--epochs", "3", "--log-every", "50"]
+# Long enough epochs (200 steps) that a kill lands inside one; short enough to keep the suite quick. With momentum,
+# the optimizer has state of its own (a velocity per weight) that a resume must restore, not only the weights.
+LONG = ["--train-samples", "9600", "--test-samples", "500", "--batch-size", "48", "--epochs", "3", "--log-every", "50",
+        "--momentum", "0.9"]
 
 
 def args_for(real_data, out, *extra):
@@ -58,7 +61,9 @@ class Watched:
             os.killpg(self.proc.pid, signal.SIGKILL)
             pytest.fail(f"still running after {timeout}s:\n{''.join(self.lines)}")
         self._reader.join()
-        return self.proc.returncode, "".join(self.lines), self.proc.stderr.read()
+        err = self.proc.stderr.read()
+        no_abort_at_exit(err)
+        return self.proc.returncode, "".join(self.lines), err
 
 
 def children(pid):
@@ -155,6 +160,21 @@ def test_torchrun_restarts_a_killed_worker_and_resumes(real_data, tmp_path, proc
     assert out.count("Done!") == 1
     # 2 ranks add their gradients in one order, so the restarted run is bit for bit the uninterrupted one.
     assert max_abs_diff(load_state(straight / "model.pth"), load_state(tmp_path / "run" / "model.pth")) == 0
+
+
+def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_epoch(real_data, tmp_path, procs):
+    """SLURM's warning may reach one rank first: the ranks sum their flags, so all stop after one epoch, at a snapshot."""
+    snap = tmp_path / "snap.pt"
+    run = Watched(procs, [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "ddp_launch.py",
+                          *args_for(real_data, tmp_path / "run", "--snapshot", snap, "--timeout", "30")])
+    run.wait_for("Epoch 2")
+    os.kill(worker_with_rank(run.proc.pid, 1), signal.SIGUSR1)  # rank 1 only; rank 0 hears of it from the sum
+    code, out, err = run.finish()
+    stopped = re.findall(rf"^Stopping after epoch (\d) of 3 \(SIGUSR1: the time limit is near\); {re.escape(str(snap))} "
+                         r"holds it$", out, re.M)
+    assert code == 0 and len(stopped) == 1 and "Done!" not in out, out + err
+    assert torch.load(snap, weights_only=True)["epochs_done"] == int(stopped[0])  # the epoch it stopped after
+    assert not (tmp_path / "run" / "model.pth").exists()  # not finished: the requeued job writes it
 
 
 def test_restartable_torchrun_without_a_fresh_store_is_refused(procs):
