@@ -1,11 +1,12 @@
 """scripts/preflight.py with the launchers the jobs use: torchrun, mp.spawn, and torchrun on two machines."""
+import importlib.util
 import re
 import sys
 import time
 
 import pytest
 
-from conftest import TORCHRUN
+from conftest import REPO, TORCHRUN
 from netns import IFNAME, NODES, TwoMachines
 from test_multinode import NODE_ENV, PORT, need_namespaces
 
@@ -18,13 +19,38 @@ def rank_lines(out):
                       out, re.M)
 
 
+def load_preflight():
+    spec = importlib.util.spec_from_file_location("preflight", REPO / "scripts" / "preflight.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bus_bandwidth_is_nccl_tests_busbw():
+    """By hand: 16 MiB in 10 ms is 1.6777 GB/s of algorithm bandwidth; an all-reduce over 4 ranks moves 2*3/4 of it."""
+    bus_bandwidth = load_preflight().bus_bandwidth
+    assert bus_bandwidth("all_reduce", 16 * 2**20, 0.010, 4) == pytest.approx(2.5165824e9)
+    assert bus_bandwidth("all_reduce", 16 * 2**20, 0.010, 2) == pytest.approx(1.6777216e9)  # 2*(2-1)/2 = 1
+    assert bus_bandwidth("broadcast", 16 * 2**20, 0.010, 4) == pytest.approx(1.6777216e9)
+    assert bus_bandwidth("all_reduce", 4096, 0.001, 8) == pytest.approx(7.168e6)  # 4.096 MB/s x 2*7/8
+
+
 def check_ok(out, hosts, where):
+    """The OK line as the last line, and every timed row's GB/s what its time gives (2 ranks: all-reduce factor 1)."""
     match = OK.search(out)
     assert match and match[1] == str(hosts) and match[2] == where, out
-    assert float(match[3]) > 0 and float(match[4]) > 0
     assert out.rstrip().splitlines()[-1] == match[0]  # the last line
-    for op in ("all_reduce", "broadcast"):  # every size, timed
-        assert len(re.findall(rf"^ *{op} +(4 KiB|1 MiB|16 MiB): +\d+\.\d+ ms", out, re.M)) == 3, out
+    sizes = {"4 KiB": 4096, "1 MiB": 2**20, "16 MiB": 16 * 2**20}
+    printed = {}
+    for op in ("all_reduce", "broadcast"):
+        rows = re.findall(rf"^ *{op} +(4 KiB|1 MiB|16 MiB): +(\d+\.\d+) ms +(\d+\.\d+) GB/s", out, re.M)
+        assert [size for size, _, _ in rows] == list(sizes), out  # every size, timed
+        for size, ms, gbs in rows:
+            ms, gbs = float(ms), float(gbs)
+            expected = sizes[size] / (ms / 1e3) / 1e9  # both factors are 1 at 2 ranks: 2 * (2 - 1) / 2, and 1
+            assert abs(gbs - expected) <= expected * 0.0005 / ms + 0.0005 + 1e-9, (op, size, ms, gbs)  # print rounding
+            printed[op, size] = gbs
+    assert (float(match[3]), float(match[4])) == (printed["all_reduce", "16 MiB"], printed["broadcast", "16 MiB"])
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mp.spawn"])
