@@ -1,13 +1,14 @@
 # Two commands do everything on a fresh Debian/Ubuntu machine:
 #   make run    set up (venv, requirements, offline FashionMNIST) and train single_gpu.py
 #   make test   set up and run the test suite
+#   make mutations   plant each known bug in a copy of the project and check its tests turn red (tests/mutations.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA_PKG := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup data tools run test clean
+.PHONY: setup data tools run test mutations clean
 
 setup: $(VENV)/.installed data
 
@@ -41,6 +42,9 @@ run: setup
 
 test: setup tools
 	$(PY) -m pytest -q
+
+mutations: setup tools
+	$(PY) tests/mutations.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,0 +1,250 @@
+"""Planted bugs: each one a small patch to the project, with the tests that must fail once it is in.
+
+A test counts only if it fails when the feature it names is broken. This file keeps that proof runnable: every
+entry below breaks one promise of docs/tests.md the way a real mistake would (drop set_epoch, weight micro-batches
+1/K, ignore --precision, ...), and names the tests that must turn red. The runner applies one entry at a time to a
+fresh copy of the project (your working tree is never touched), runs the named tests there, and reports CAUGHT,
+with the tests that failed, or MISSED.
+
+    python tests/mutations.py                      # every planted bug (make mutations; about 45 minutes on 2 cores)
+    python tests/mutations.py --list               # names, what each one breaks, and its tests
+    python tests/mutations.py no-set-epoch accum-one-over-k    # some of them
+    python tests/mutations.py --baseline no-set-epoch          # also run the tests unpatched: they must pass
+
+It exits 0 when every planted bug was caught; 1 when one was missed, when a patch no longer applies (the code it
+changes has moved on: update the entry), or when --baseline finds a named test failing without the bug.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One planted bug: replace `old` (found exactly once) with `new` in each file; `tests` must then fail."""
+
+    name: str
+    breaks: str  # the promise it breaks, in docs/tests.md's words
+    patches: tuple  # ((file, old, new), ...)
+    tests: tuple  # pytest node ids
+
+
+def bug(name, breaks, tests, *patches):
+    return Mutation(name, breaks, tuple(patches), tuple(tests))
+
+
+TRAIN_FLAGS = "tests/test_training_flags.py"
+DESCRIBE = "    print0(ctx, cfg.describe())\n"
+IGNORE_PRECISION = DESCRIBE + '    cfg.precision = "fp32"  # planted: the run says bf16 and trains fp32\n'
+
+MUTATIONS = [
+    # --- Same model: every DDP chapter, any world size, one machine or two, trains chapter 1's model ---
+    bug("no-set-epoch", "same model: every epoch draws a new shuffle from seed + epoch",
+        ["tests/test_ddp.py::test_ddp_trains_the_same_model[torchrun-2]"],
+        ("ddp_launch.py", "        train_sampler.set_epoch(epoch)", "        pass")),
+    bug("every-rank-reads-shard-0", "same model: the ranks' k-th batches together are chapter 1's k-th batch",
+        ["tests/test_ddp.py::test_ddp_trains_the_same_model[mp-2]"],
+        ("ddp_mp.py", "num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)",
+         "num_replicas=ctx.world_size, rank=0, seed=cfg.seed)")),
+    bug("rank-from-local-rank", "same model on several machines: rank is global, local rank only picks the device",
+        ["tests/test_ddp.py::test_two_torchrun_nodes_on_one_machine"],
+        ("ddp_launch.py", 'rank = int(os.environ["RANK"])', 'rank = int(os.environ["LOCAL_RANK"])')),
+    bug("eval-on-rank0-shard-only", "exact metrics: the test counts are summed over every rank's shard",
+        ["tests/test_ddp.py::test_ddp_trains_the_same_model[mp-2]"],
+        ("common/engine.py", "total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, seen], ctx)",
+         "total_loss, total_correct, total = float(loss_sum), float(correct), float(seen)")),
+    bug("eval-counts-sampler-padding", "exact metrics: no padded duplicates in the test shards",
+        ["tests/test_ddp.py::test_ddp_trains_the_same_model[mp-3]"],
+        ("ddp_mp.py", "make_loader(test_set, 1000, ShardSampler(test_set, ctx.rank, ctx.world_size))",
+         "make_loader(test_set, 1000, DistributedSampler(test_set, ctx.world_size, ctx.rank, shuffle=False))")),
+    bug("destroy-not-in-finally", "the lesson is in the chapter: destroy_process_group in a finally",
+        ["tests/test_ddp.py::test_each_ddp_chapter_shows_its_own_distributed_lines[ddp_mp.py]"],
+        ("ddp_mp.py", "    try:\n        train(cfg, ctx)\n    finally:\n        dist.destroy_process_group()",
+         "    train(cfg, ctx)\n    dist.destroy_process_group()")),
+
+    # --- Accumulation, bf16, compile ---
+    bug("accum-one-over-k", "accumulation: each micro-batch weighted by its share of the step's images",
+        [f"{TRAIN_FLAGS}::test_accumulation_trains_the_same_model[torchrun-2-K2]",
+         f"{TRAIN_FLAGS}::test_accumulation_trains_the_same_model[single-1-K4]"],
+        ("common/engine.py", "loss = loss_fn(model(X), y) * (len(y) / images)",
+         "loss = loss_fn(model(X), y) / cfg.accum_steps")),
+    bug("no-no-sync", "accumulation under DDP: one all-reduce per optimizer step, not one per micro-batch",
+        [f"{TRAIN_FLAGS}::test_one_gradient_sync_per_optimizer_step[ddp]"],
+        ("common/engine.py", "        with model.no_sync():\n            yield", "        yield")),
+    bug("no-set-requires-gradient-sync", "accumulation under FSDP2: one reduce-scatter per unit per optimizer step",
+        [f"{TRAIN_FLAGS}::test_one_gradient_sync_per_optimizer_step[fsdp]"],
+        ("common/engine.py", "        model.set_requires_gradient_sync(False)\n", "")),
+    *[bug(f"precision-ignored-{launcher}", f"--precision bf16 really runs under {launcher}",
+          [test], (script, DESCRIBE, IGNORE_PRECISION))
+      for launcher, script, test in [
+          ("python", "single_gpu.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[single-1]"),
+          ("dataparallel", "dataparallel.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[dataparallel-1]"),
+          ("torchrun", "ddp_launch.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[torchrun-2]"),
+          ("mp.spawn", "ddp_mp.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[mp-3]"),
+          ("tcp", "ddp_tcp_manual.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[tcp-2]"),
+          ("srun", "ddp_slurm.py", f"{TRAIN_FLAGS}::test_bf16_under_srun"),
+          ("fsdp", "fsdp.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[fsdp-2]")]],
+    bug("compile-ignored", "--compile compiles: torch's own count of captured graphs",
+        [f"{TRAIN_FLAGS}::test_compile_trains_the_same_model[chapter1]"],
+        ("single_gpu.py", "        model.compile()", "        pass")),
+    bug("compile-ignored-under-ddp", "--compile compiles under DDP, cut at the gradient buckets",
+        [f"{TRAIN_FLAGS}::test_compile_trains_the_same_model[torchrun-2-K2]"],
+        ("ddp_launch.py", "        model.compile()", "        pass")),
+
+    # --- Nothing lost ---
+    bug("snapshot-without-optimizer-state", "nothing lost: a resumed run ends with the uninterrupted run's weights",
+        ["tests/test_faults.py::test_single_gpu_killed_mid_epoch_resumes_to_the_same_weights"],
+        ("common/checkpoint.py", '        optimizer.load_state_dict(snapshot["optimizer"])\n', "")),
+    bug("sharded-snapshot-without-optimizer-state", "chapter 7: a sharded snapshot reshards the optimizer state too",
+        ["tests/test_fsdp.py::test_snapshot_saved_on_2_ranks_resumes_on_another_count[2-to-3]"],
+        ("fsdp.py", 'dcp.save({"model": model_state, "optimizer": optimizer_state}', 'dcp.save({"model": model_state}'),
+        ("fsdp.py", 'state = {"model": model_state, "optimizer": optimizer_state}', 'state = {"model": model_state}'),
+        ("fsdp.py", 'optim_state_dict=state["optimizer"])', "optim_state_dict=optimizer_state)")),
+    bug("save-in-place", "nothing lost: a failed save leaves the previous snapshot as it was",
+        ["tests/test_faults.py::test_full_disk_keeps_the_previous_snapshot"],
+        ("common/checkpoint.py", 'fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")',
+         "fd, tmp = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), str(path)")),
+
+    # --- Nothing hangs, errors do not lie ---
+    bug("stalled-rank-called-lost", "errors do not lie: a stopped rank is not reported as lost",
+        ["tests/test_faults.py::test_a_stalled_rank_times_out"],
+        ("common/errors.py", 'f"no answer from another rank within --timeout', 'f"lost contact with the other ranks')),
+    bug("zero-epochs-accepted", "bad flags: every entry script refuses them with one line, exit 2",
+        ["tests/test_faults.py::test_bad_flag_exits_2_with_one_line[single_gpu.py:--epochs 0]"],
+        ("common/config.py", "        if value < minimum:", "        if value < minimum - 1:")),
+    bug("busy-port-worded-otherwise", "the docs' messages are what the scripts print",
+        ["tests/test_docs.py::test_troubleshooting_message_is_what_the_script_prints"
+         "[error: [rank 0] port 29500 is busy ...]"],
+        ("common/errors.py", "is busy (another job", "is taken (another job")),
+
+    # --- Chapters 1, 2, 6 and the tools ---
+    bug("dataparallel-other-shuffle", "chapter 2 trains chapter 1's model, bit for bit",
+        ["tests/test_scripts.py::test_dataparallel_trains_the_same_model"],
+        ("dataparallel.py", "num_replicas=1, rank=0, seed=cfg.seed)", "num_replicas=1, rank=0, seed=cfg.seed + 1)")),
+    bug("sigusr1-not-summed", "time limits: the ranks sum the warning, so all stop after the same epoch",
+        ["tests/test_faults.py::test_sigusr1_to_one_rank_stops_every_rank_after_the_same_epoch"],
+        ("ddp_launch.py", "(warned,) = all_reduce_sum([stop_requested.is_set()], ctx)",
+         "warned = stop_requested.is_set()")),
+    bug("warned-job-not-requeued", "time limits: a warned job requeues itself and resumes",
+        ["tests/test_slurm_requeue.py::test_a_warned_job_requeues_itself_and_ends_as_if_left_alone[srun-tasks]"],
+        ("scripts/job.sh", 'scontrol requeue "$SLURM_JOB_ID" ;;', "true ;;")),
+    bug("compare-models-always-agrees", "compare_models.py judges against --atol",
+        ["tests/test_tools.py::test_a_difference_is_named_and_judged_against_atol"],
+        ("scripts/compare_models.py", "agree = agree and diff <= atol", "agree = agree or diff <= atol")),
+
+    # --- Chapter 7, chapter 8 and the preflight ---
+    bug("fsdp-test-batches-from-own-shard", "chapter 7: every rank runs as many test batches (no hang)",
+        ["tests/test_fsdp.py::test_uneven_test_shards_run_the_same_number_of_batches"],
+        ("fsdp.py", "largest = math.ceil(len(test_set) / ctx.world_size)",
+         "largest = len(range(ctx.rank, len(test_set), ctx.world_size))")),
+    bug("early-stop-fix-not-shared", "chapter 8: --fix shares the stop decision with every rank",
+        ["tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[early-stop]"],
+        ("debug_hang.py", "                dist.all_reduce(stop, op=dist.ReduceOp.MAX)\n", "")),
+    bug("busbw-factor-dropped", "preflight: bus bandwidth as nccl-tests defines it",
+        ["tests/test_preflight.py::test_bus_bandwidth_is_nccl_tests_busbw"],
+        ("scripts/preflight.py", '"all_reduce": lambda n: 2 * (n - 1) / n', '"all_reduce": lambda n: 1')),
+]
+
+
+def copy_of_project(folder):
+    """The project's files (tracked, and untracked ones git does not ignore) copied into folder; ./data linked."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            target = folder / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    if (REPO / "data").is_dir():
+        (folder / "data").symlink_to(REPO / "data")
+    return folder
+
+
+def apply(mutation, folder):
+    """Patch the copy in folder; raises ValueError when a patch's text is not there exactly once."""
+    for file, old, new in mutation.patches:
+        path = folder / file
+        text = path.read_text()
+        if text.count(old) != 1:
+            raise ValueError(f"{mutation.name}: {file} holds {text.count(old)} copies of {old!r}, not 1: "
+                             f"update the entry")
+        path.write_text(text.replace(old, new))
+
+
+def run_tests(folder, tests, timeout):
+    """pytest on the named tests in folder: ({node id: outcome}, seconds). CI is unset, so a skip stays a skip."""
+    report = folder / "report.xml"
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    start = time.monotonic()
+    try:
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                        *tests], cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {test: "timeout" for test in tests}, time.monotonic() - start
+    outcomes = {}
+    if report.exists():
+        for case in ET.parse(report).iter("testcase"):
+            node = f"{case.get('file') or case.get('classname').replace('.', '/') + '.py'}::{case.get('name')}"
+            kinds = {child.tag for child in case}
+            outcomes[node] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
+    return outcomes, time.monotonic() - start
+
+
+def check(mutation, baseline, timeout):
+    """Run one planted bug (and, with baseline, its tests unpatched first); returns (ok, line to print)."""
+    with tempfile.TemporaryDirectory(prefix=f"mutation-{mutation.name}-") as tmp:
+        folder = copy_of_project(Path(tmp))
+        if baseline:
+            outcomes, seconds = run_tests(folder, mutation.tests, timeout)
+            bad = {t: o for t, o in outcomes.items() if o != "passed"}
+            if bad or not outcomes:
+                return False, f"BASELINE FAILS {mutation.name}: without the bug {bad or 'no test ran'} ({seconds:.0f}s)"
+        try:
+            apply(mutation, folder)
+        except ValueError as e:
+            return False, f"STALE  {e}"
+        outcomes, seconds = run_tests(folder, mutation.tests, timeout)
+    red = sorted(f"{t} ({o})" for t, o in outcomes.items() if o in ("failure", "error", "timeout"))
+    if red:  # (failure): an assertion; (error): a fixture, e.g. the reference run, broke; (timeout): it hung
+        return True, f"CAUGHT {mutation.name} ({seconds:.0f}s) by {', '.join(red)}"
+    return False, f"MISSED {mutation.name} ({seconds:.0f}s): {outcomes or 'no test ran'}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="planted bugs to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the planted bugs and their tests")
+    parser.add_argument("--baseline", action="store_true", help="first run each one's tests unpatched")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds for one planted bug's tests")
+    args = parser.parse_args()
+    known = {m.name: m for m in MUTATIONS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        parser.error(f"no planted bug named {', '.join(unknown)} (see --list)")
+    chosen = [known[n] for n in args.names] or MUTATIONS
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.breaks}\n    " + "\n    ".join(m.tests))
+        return 0
+    start, missed = time.monotonic(), 0
+    for m in chosen:
+        ok, line = check(m, args.baseline, args.timeout)
+        missed += not ok
+        print(line, flush=True)
+    minutes = (time.monotonic() - start) / 60
+    print(f"{len(chosen) - missed} of {len(chosen)} planted bugs caught in {minutes:.1f} minutes", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
