@@ -132,8 +132,9 @@ def end_process(code):
     gloo worker threads take the GIL to free each finished collective's tensors. During the interpreter's shutdown a
     thread that asks for the GIL is ended by pthread_exit, whose unwinding meets a C++ destructor that may not throw:
     std::terminate, "terminate called without an active exception", SIGABRT after the run's last line (torch 2.14.1,
-    Python 3.11: 4 of 30 torchrun runs of tests/allreduce_counter.py). os._exit skips that shutdown; the operating
-    system frees the rest, as it would anyway.
+    Python 3.11: 4 of 30 two-rank torchrun runs of tests/collective_counter.py's first version; the same crash in
+    pytorch/pytorch#179291, whose fix was not merged). os._exit skips that shutdown; the operating system frees the
+    rest, as it would anyway.
     """
     for stream in (sys.stdout, sys.stderr):
         try:
