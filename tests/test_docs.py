@@ -130,8 +130,14 @@ def test_doc_commands_run(doc, real_data, workspace):
         ours = re.sub(r'Traceback \(most recent call last\):\n  File "[^"]*/torchrun".*', "", proc.stderr, flags=re.S)
         assert "Traceback" not in ours, f"{doc}: `{command}`\n{proc.stderr[-3000:]}"
         # The kill demos really kill mid-run, and what runs next resumes: torchrun at once, a rerun by hand.
+        # torchrun's report names the failure it dates first: the killed rank (exitcode -9), or rank 0 (exitcode 1),
+        # which saw its peer's connection close and wrote its error file (@record) before torchrun's next poll came
+        # (3 of 6 runs here). Either way a new group must start and resume from the snapshot before the last epoch.
         if "pgrep -f ddp_launch.py" in command:
-            assert "Resuming from runs/snap-ddp.pt" in proc.stdout and "exitcode: -9" in proc.stderr, proc.stderr
+            assert re.search(r"failed \(exitcode: (-9|1)\) local_rank", proc.stderr), proc.stderr
+            assert proc.stdout.count("Config:") == 2, proc.stdout  # the group torchrun restarted
+            resumed = re.search(r"Resuming from runs/snap-ddp\.pt: (\d) of 5 epochs done", proc.stdout)
+            assert resumed and int(resumed[1]) < 5, proc.stdout
         if killed:
             assert "Resuming from runs/snap.pt" in proc.stdout, proc.stdout
         killed = "kill -9 $!" in command
