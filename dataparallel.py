@@ -8,13 +8,12 @@ gathers the outputs on the first GPU and sums the gradients there. Simple, but s
 bottlenecked on GPU 0; the DDP chapters do better.
 """
 import torch
-from torch import nn
 from torch.utils.data import DistributedSampler
 
 from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.config import parse_config
 from common.data import ShardSampler, load_fashion_mnist, make_loader
-from common.engine import evaluate, train_one_epoch
+from common.engine import DataParallel, evaluate, train_one_epoch
 from common.errors import run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
@@ -43,12 +42,13 @@ def train(cfg, ctx):
     if n_gpu < 2:
         print0(ctx, f"With {n_gpu} GPU(s) DataParallel has nothing to split: it falls back to running the model on {ctx.device}")
     if n_gpu or not torch.cuda.is_available():  # (it refuses a CPU model when GPUs exist, as with --device cpu)
-        model = nn.DataParallel(model, device_ids=list(range(first, first + n_gpu)) or None)
+        # nn.DataParallel, whose replicas (one thread per GPU) keep --precision's autocast dtype (common/engine.py)
+        model = DataParallel(model, device_ids=list(range(first, first + n_gpu)) or None)
     if cfg.compile:  # compiled on the CPU or one GPU; on several, DataParallel's replicas in threads run eagerly
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    # --precision fp16 (GPU only): scale the loss up so float16's small gradients do not round to zero.
+    # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds

@@ -199,6 +199,9 @@ def _epoch_number(folder):
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
 def main():
     cfg = parse_config(description=__doc__)
+    if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
+        raise UsageError("fsdp.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
+                         "gradient slices for overflow, which this chapter does not have: use --precision bf16")
     if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
         raise UsageError("RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
                          "`torchrun --standalone --nproc-per-node 2 fsdp.py`")
@@ -214,9 +217,6 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its machine: it picks the GPU
     world_size = int(os.environ["WORLD_SIZE"])  # processes over all machines
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
-    if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
-        raise UsageError("fsdp.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
-                         "gradient slices for overflow, which this chapter does not have: use --precision bf16")
     if cfg.test_samples is not None and cfg.test_samples < world_size:  # a rank with no test image would skip forward()
         raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {world_size} ranks: under FSDP every rank "
                          f"must run every test batch (forward() gathers the weights); use at least {world_size}")

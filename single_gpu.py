@@ -38,7 +38,7 @@ def train(cfg, ctx):
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    # --precision fp16 (GPU only): scale the loss up so float16's small gradients do not round to zero.
+    # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds

@@ -28,7 +28,7 @@ class Config:
     snapshot: Optional[str] = None  # file to resume from (if it exists) and to save to every save_every epochs
     save_every: int = 1  # epochs between snapshots (with --snapshot)
     accum_steps: int = 1  # micro-batches summed per optimizer step; the global batch stays --batch-size
-    precision: str = "fp32"  # fp32, bf16 (autocast, CPU or GPU) or fp16 (autocast + GradScaler, GPU only)
+    precision: str = "fp32"  # fp32, bf16 (autocast) or fp16 (autocast + GradScaler); CPU or GPU
     compile: bool = False  # torch.compile the model (after the DDP wrap in the DDP chapters)
     # Chapter flags: only the chapters that need them accept them (see CHAPTER_FLAGS).
     nprocs: Optional[int] = None  # ddp_mp.py: processes to spawn on this machine
@@ -123,7 +123,7 @@ def build_parser(description=None, chapter_flags=()):
     p.add_argument("--snapshot", default=d.snapshot, help="snapshot file: resume from it if it exists, save to it every --save-every epochs")
     p.add_argument("--save-every", type=_positive_int, default=None, help=f"epochs between snapshots (default {d.save_every}; needs --snapshot)")
     p.add_argument("--accum-steps", type=_positive_int, default=d.accum_steps, help="sum the gradients of K micro-batches of batch-size / (world size x K) per optimizer step (default %(default)s)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision, help="fp32; bf16 autocast (CPU or GPU); fp16 autocast with a GradScaler (GPU only) (default %(default)s)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=d.precision, help="fp32; bf16 autocast; fp16 autocast with a GradScaler; on the CPU and on GPUs (default %(default)s)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (on the CPU it needs a C++ compiler)")
     for name in chapter_flags:
         p.add_argument("--" + name.replace("_", "-"), required=name in ("init_method", "rank", "world_size"), **CHAPTER_FLAGS[name])
@@ -176,9 +176,6 @@ def parse_config(argv=None, description=None, chapter_flags=()):
     if cfg.batch_size % cfg.accum_steps:
         parser.error(f"--batch-size {cfg.batch_size} must split into --accum-steps {cfg.accum_steps} equal micro-batches; "
                      f"use a multiple of {cfg.accum_steps}")
-    if cfg.precision == "fp16" and (cfg.device == "cpu" or not torch.cuda.is_available()):
-        parser.error("--precision fp16 needs a GPU (float16 autocast with a GradScaler); on the CPU use --precision "
-                     "bf16")
     if cfg.save_every is not None and cfg.snapshot is None:
         parser.error("--save-every needs --snapshot FILE (the file to save to and resume from)")
     cfg.save_every = cfg.save_every or Config.save_every

@@ -24,6 +24,28 @@ def autocast(cfg, device):
     return torch.autocast(device.type, dtype=DTYPES[cfg.precision], enabled=cfg.precision != "fp32")
 
 
+class DataParallel(nn.DataParallel):
+    """nn.DataParallel whose replicas compute in the caller's autocast dtype (--precision bf16 stays bf16).
+
+    Each GPU's replica runs in a thread of its own, and autocast's state is per thread: torch's parallel_apply turns
+    autocast on in those threads without the dtype (torch 2.14), so they compute in the device's default, float16
+    on CUDA, with no GradScaler. Each replica here enters autocast itself with the dtype and switch of the thread
+    that called forward(), as torch's AMP notes advise ("autocast in the model's forward").
+    """
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        device_type = self.src_device_obj.type
+        dtype, enabled = torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type)
+
+        def in_callers_autocast(replica):
+            def forward(*args, **kw):
+                with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                    return replica(*args, **kw)
+            return forward
+
+        return super().parallel_apply([in_callers_autocast(r) for r in replicas], inputs, kwargs)
+
+
 def steps_per_epoch(loader, cfg):
     """Optimizer steps in one pass: each one takes --accum-steps of the loader's micro-batches (fewer at the end)."""
     return math.ceil(len(loader) / cfg.accum_steps)
@@ -99,6 +121,8 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
     _sync(ctx.device)
     seconds = time.perf_counter() - start
     print0(ctx, f"Train time: {seconds:.2f}s ({count / seconds:.0f} samples/s), train loss: {total / count:>7f}")
+    if scaler:  # one read of the scale per epoch (it lives on the device): halved once per skipped step, doubled
+        print0(ctx, f"fp16 loss scale: {scaler.get_scale():g}")  # after 2000 steps in a row without inf/NaN
     if cfg.compile:
         print0(ctx, compiled_so_far())
     metrics.note(step=(epoch + 1) * steps, train_loss=total / count, train_seconds=seconds,

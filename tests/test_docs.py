@@ -295,7 +295,7 @@ MAKE_IT_PRINT = {
     "is busy": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp(f"tcp://127.0.0.1:{_held_port(stack)}"), {}),
     "must split evenly over 3 ranks": lambda tmp, stack: ("ddp_mp.py", ["--nprocs", "3"], {}),
     "must split into --accum-steps": lambda tmp, stack: ("single_gpu.py", ["--batch-size", "48", "--accum-steps", "5"], {}),
-    "--precision fp16 needs a GPU": lambda tmp, stack: ("single_gpu.py", ["--precision", "fp16"], {}),
+    "fsdp.py trains in --precision fp32 or bf16": lambda tmp, stack: ("fsdp.py", ["--precision", "fp16"], {}),
     "--compile needs a working C++ compiler": lambda tmp, stack: (
         "single_gpu.py", ["--data-dir", _fake_data(tmp), "--compile", "--epochs", "1"],
         dict(CXX="/nonexistent/g++", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")),
