@@ -72,13 +72,14 @@ def train(cfg, ctx):
 @one_line_errors  # a failing worker prints one line and exits non-zero; mp.spawn then stops the others
 def worker(rank, cfg, world_size):  # mp.spawn passes each worker its index first: here, its rank
     local_rank = rank  # every rank runs on this machine
-    device = rank_device(cfg.device, local_rank)  # cuda:<local_rank>, or the CPU
+    device = rank_device(cfg.device, local_rank, world_size)  # cuda:<local_rank>, or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     # env:// reads the MASTER_ADDR and MASTER_PORT that main() put in the environment every worker inherits.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
     try:
         train(cfg, ctx)
     finally:

@@ -104,7 +104,8 @@ def main():
     init_method = f"tcp://{master_addr}:{master_port}"
     check_rendezvous(init_method, rank, cfg.timeout)  # no rank 0 after --timeout: one line
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
     try:
         train(cfg, ctx)
     finally:

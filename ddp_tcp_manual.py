@@ -85,7 +85,8 @@ def main():
     # tcp://HOST:PORT: rank 0 opens a key-value store on PORT and the others connect to it; file://: they meet in
     # the file. Either way each rank publishes its address there and waits up to --timeout for the rest.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=cfg.init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
     try:
         train(cfg, ctx)
     finally:

@@ -309,7 +309,8 @@ def main():
     # The flight recorder: every process group made from here on keeps its last 2000 collectives, gloo's too.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout))
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
     watch = HangWatch(cfg.timeout / 2, stacks)  # a rank that waits half of --timeout writes its stacks
     try:
         if rank == 0:  # no records or stacks of an earlier run to compare with

@@ -42,7 +42,10 @@ def choose_device(requested=None):
 def rank_device(requested, local_rank, ranks_here=None):
     """A DDP rank's device: cuda:<local rank> where GPUs are used, else the CPU; one line for what cannot work.
 
-    ranks_here is how many ranks this machine runs, where the launcher says (torchrun, mp.spawn).
+    ranks_here is how many ranks this machine runs, where the launcher starts them all with the same GPUs visible
+    (torchrun, mp.spawn). Where it is not given (srun, ranks started by hand), a rank may have been shown only its
+    own GPU (`srun --gpus-per-task 1`, `--gpu-bind`, CUDA_VISIBLE_DEVICES per rank): a rank that sees exactly one GPU
+    uses it, whatever its local rank.
     """
     if requested not in (None, "cpu") and torch.device(requested).index is not None:
         raise UsageError(f"--device {requested}: a DDP rank always uses the GPU of its local rank, cuda:<local rank>; "
@@ -54,6 +57,8 @@ def rank_device(requested, local_rank, ranks_here=None):
     if ranks_here and ranks_here > gpus:
         raise UsageError(f"{ranks_here} ranks on this machine but {gpus} GPU(s) visible: start at most one rank per "
                          f"GPU (check CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu")
+    if gpus == 1 and not ranks_here:  # this rank's own GPU, whatever its index on the machine
+        return torch.device("cuda", 0)
     if local_rank >= gpus:
         raise UsageError(f"local rank {local_rank} but {gpus} GPU(s) visible (cuda:0 .. cuda:{gpus - 1}): start at "
                          f"most one rank per GPU (check CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu")

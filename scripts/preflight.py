@@ -134,7 +134,8 @@ def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=cfg.timeout))
+                                timeout=timedelta(seconds=cfg.timeout),
+                                device_id=device if device.type == "cuda" else None)  # NCCL connects here
     except Exception as e:
         raise FatalError(f"preflight: FAILED: rank {rank} on {socket.gethostname()} could not meet the others at "
                          f"{init_method}: {explain(e)}") from None

@@ -1,0 +1,85 @@
+"""The GPU path, played on the CPU: the decisions the chapters take on CUDA + NCCL, checked where no GPU is.
+
+Each test stands in for one piece of a GPU machine (how many GPUs a rank sees, NCCL's init, NCCL's error text) and
+runs the project's own code, or the chapters themselves, against it. tests/test_gpu.py runs the same on real GPUs.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.errors import UsageError
+from common.ranks import free_port, rank_device
+from conftest import BASE_ENV, REPO
+
+
+@pytest.mark.parametrize("gpus,local_rank,ranks_here,expected", [
+    (4, 3, None, "cuda:3"),  # srun, 4 tasks on a node that shows each task all 4 GPUs
+    (1, 3, None, "cuda:0"),  # srun --gpus-per-task 1 / --gpu-bind: each task sees its own GPU only
+    (2, 3, None, "local rank 3 but 2 GPU(s) visible"),  # 4 tasks with 2 GPUs each: which 2 are this task's?
+    (8, 1, 2, "cuda:1"),  # torchrun --nproc-per-node 2 on an 8-GPU machine: the first two
+    (8, 7, 8, "cuda:7"),  # torchrun --nproc-per-node gpu
+    (1, 1, 2, "2 ranks on this machine but 1 GPU(s) visible"),  # torchrun gives all its ranks the same GPUs
+], ids=["srun-all-gpus", "srun-gpu-per-task", "srun-2-of-4", "torchrun-2-of-8", "torchrun-8-of-8", "torchrun-2-on-1"])
+def test_each_rank_finds_its_gpu(gpus, local_rank, ranks_here, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if expected.startswith("cuda"):
+        assert rank_device(None, local_rank, ranks_here) == torch.device(expected)
+    else:
+        with pytest.raises(UsageError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            rank_device(None, local_rank, ranks_here)
+
+
+# Fake GPUs, and an init_process_group that prints what it was asked for and ends the process there.
+RECORD_INIT = """\
+import json, os, torch, torch.distributed
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: {gpus}
+torch.cuda.set_device = lambda device: None
+def init_process_group(backend=None, **kwargs):
+    print("init_process_group " + json.dumps(dict(backend=backend, rank=kwargs.get("rank"),
+                                                  device_id=str(kwargs.get("device_id")))), flush=True)
+    os._exit(0)
+torch.distributed.init_process_group = init_process_group
+"""
+
+
+def _launch_env(rank, local_rank, world, ranks_here):
+    return dict(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(ranks_here),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def _slurm_env(rank, local_rank, world):
+    return dict(SLURM_JOB_ID="4242", SLURM_PROCID=str(rank), SLURM_LOCALID=str(local_rank), SLURM_NTASKS=str(world),
+                SLURM_JOB_NODELIST="localhost", SLURM_STEP_ID="0")
+
+
+CHAPTERS = [  # (command, environment, GPUs this process sees, [(rank, the device it must bind NCCL to)])
+    (["ddp_launch.py"], _launch_env(3, 1, 4, 2), 2, [(3, "cuda:1")]),
+    (["fsdp.py"], _launch_env(1, 1, 2, 2), 2, [(1, "cuda:1")]),
+    (["debug_hang.py", "--bug", "early-stop"], _launch_env(1, 1, 2, 2), 2, [(1, "cuda:1")]),
+    (["ddp_mp.py"], {}, 2, [(0, "cuda:0"), (1, "cuda:1")]),
+    (["ddp_tcp_manual.py", "--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "2", "--local-rank",
+      "1"], {}, 2, [(0, "cuda:1")]),
+    (["ddp_slurm.py"], _slurm_env(0, 3, 8), 1, [(0, "cuda:0")]),  # srun --gpus-per-task 1: local rank 3, its own GPU
+    (["scripts/preflight.py"], _launch_env(1, 1, 2, 2), 2, [(1, "cuda:1")]),
+]
+
+
+@pytest.mark.parametrize("argv,env,gpus,expected", CHAPTERS, ids=[c[0][0] for c in CHAPTERS])
+def test_nccl_is_bound_to_the_ranks_gpu_at_init(argv, env, gpus, expected, tmp_path):
+    """init_process_group gets device_id=<the rank's GPU> on CUDA: NCCL then connects inside it, so a broken NCCL
+    set-up fails there, in one line, rather than in the first collective (torch's advice since 2.3)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(RECORD_INIT.format(gpus=gpus))
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(BASE_ENV, PYTHONPATH=str(shim), **env))
+    assert proc.returncode == 0, proc.stderr
+    calls = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+             if line.startswith("init_process_group ")]
+    assert sorted((c["rank"], c["backend"], c["device_id"]) for c in calls) == \
+        [(rank, "nccl", device) for rank, device in expected], proc.stdout
