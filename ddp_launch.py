@@ -28,7 +28,7 @@ from torch.utils.data import DistributedSampler
 
 from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.config import parse_config
-from common.data import ShardSampler, load_fashion_mnist, make_loader
+from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist, make_loader
 from common.engine import evaluate, train_one_epoch
 from common.errors import UsageError, run_main
 from common.metrics import MetricsLog
@@ -46,6 +46,9 @@ def train(cfg, ctx):
     meet_the_group(cfg, ctx)  # each rank's line; one line if they disagree on flags or share a GPU
     output = prepare_output(cfg.output)
 
+    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must, ...
+        locate_fashion_mnist(cfg.data_dir)
+    dist.barrier()  # ... while the machine's other ranks wait here; then every rank reads it
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     # Each rank takes every world_size-th image of chapter 1's shuffle, batch_size / world_size at a time, so

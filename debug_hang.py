@@ -51,7 +51,7 @@ from torch.utils.data import DistributedSampler, Sampler
 
 from common.checkpoint import prepare_output, save_weights
 from common.config import build_parser, parse_config
-from common.data import ShardSampler, load_fashion_mnist, make_loader
+from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist, make_loader
 from common.engine import evaluate, train_one_epoch
 from common.errors import UsageError, run_main
 from common.metrics import MetricsLog
@@ -135,6 +135,9 @@ def train(cfg, bug, fix, ctx, output, watch):
                 f"backend {dist.get_backend()}, --timeout {cfg.timeout:g}s")
     meet_the_group(cfg, ctx)
 
+    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must, ...
+        locate_fashion_mnist(cfg.data_dir)
+    dist.barrier()  # ... while the machine's other ranks wait here; then every rank reads it
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     if bug == "uneven-batches":

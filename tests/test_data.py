@@ -1,5 +1,7 @@
 """Finding, decoding and serving FashionMNIST; the samplers that make every chapter see the same batches."""
 import gzip
+import http.server
+import threading
 
 import pytest
 import torch
@@ -7,7 +9,7 @@ from torch.utils.data import DistributedSampler
 
 from common import data
 from common.errors import FatalError
-from conftest import SPLIT_SIZES, make_fake_fashion_mnist, write_idx
+from conftest import BASE_ENV, SPLIT_SIZES, load_state, make_fake_fashion_mnist, max_abs_diff, write_idx
 
 
 @pytest.mark.parametrize("name", ["x-idx3-ubyte", "x-idx3-ubyte.gz"])
@@ -134,3 +136,65 @@ def test_loader_batches_follow_the_sampler_and_its_epoch(fake_data):
         order = list(sampler)
         labels = torch.cat([y for _, y in loader])
         assert torch.equal(labels, train.labels[order])
+
+
+class _Mirror(http.server.BaseHTTPRequestHandler):
+    """A web proxy on 127.0.0.1 that answers torchvision's requests for FashionMNIST's mirror from a local folder."""
+
+    folder = None
+    fetched = None  # file name -> how many times its bytes were asked for
+
+    def do_GET(self):
+        name = self.path.rsplit("/", 1)[-1]
+        path = self.folder / name
+        if not path.is_file():
+            self.send_error(404)
+            return
+        if self.headers.get("Method") != "HEAD":  # torchvision's redirect probe is a GET with a Method: HEAD header
+            self.fetched[name] = self.fetched.get(name, 0) + 1
+        body = path.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the probe reads the headers only
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_ranks_of_one_machine_download_the_data_once(real_data, reference, tmp_path, procs):
+    """No ./data and no system copy: three torchrun ranks start together. Local rank 0 downloads FashionMNIST with
+    torchvision (its mirror played by a proxy on 127.0.0.1 serving Debian's files) while the others wait; every file
+    is fetched once, not three times into one folder, and the ranks train chapter 1's model."""
+    from conftest import REPO, SLICE, TORCHRUN
+    from test_ddp import SAME_MODEL, _accuracy_lines
+
+    handler = type("Mirror", (_Mirror,), dict(folder=real_data, fetched={}))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # Debian's .gz files hold the same images as the originals, compressed again: other bytes, so not the md5 sums
+    # torchvision checks. The shim drops those sums in the ranks (torchvision still checks the files exist).
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("from torchvision.datasets import FashionMNIST\n"
+                                           "FashionMNIST.resources = [(f, None) for f, _ in FashionMNIST.resources]\n")
+    work = tmp_path / "work"  # the folder the ranks start in: ./data does not exist yet
+    work.mkdir()
+    env = {k: v for k, v in BASE_ENV.items() if k != "FASHION_MNIST_OFFLINE"}
+    env.update(http_proxy=f"http://127.0.0.1:{server.server_address[1]}", no_proxy="", PYTHONPATH=str(shim),
+               FASHION_MNIST_SYSTEM_DIR=str(tmp_path / "no-system-copy"))
+    try:
+        p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "3", str(REPO / "ddp_launch.py"), *SLICE,
+                         "--output", str(tmp_path / "run")], cwd=work, env=env)
+        code, out, err = procs.wait(p)
+    finally:
+        server.shutdown()
+    assert code == 0, err
+    assert handler.fetched == {name: 1 for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                                                    "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+    assert "Data: data (960 train / 500 test images)" in out  # ./data, which local rank 0 filled
+    assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
+    assert _accuracy_lines(out) == _accuracy_lines(reference[1])
