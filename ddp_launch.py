@@ -124,7 +124,7 @@ def main():
     try:
         train(cfg, ctx)
     finally:
-        dist.destroy_process_group()  # leave the group, after an error too: the others then stop at once
+        dist.destroy_process_group()  # leave, after an error too: the others stop at once (gloo) or at --timeout (NCCL)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def worker(rank, cfg, world_size):  # mp.spawn passes each worker its index firs
     try:
         train(cfg, ctx)
     finally:
-        dist.destroy_process_group()  # leave the group, after an error too: the others then stop at once
+        dist.destroy_process_group()  # leave, after an error too: the others stop at once (gloo) or at --timeout (NCCL)
 
 
 def main():

@@ -93,7 +93,7 @@ def main():
     try:
         train(cfg, ctx)
     finally:
-        dist.destroy_process_group()  # leave the group, after an error too: the others then stop at once
+        dist.destroy_process_group()  # leave, after an error too: the others stop at once (gloo) or at --timeout (NCCL)
         if cfg.init_method.startswith("file://"):  # the next run needs a fresh file (torch 2.14 leaves it after DDP)
             Path(cfg.init_method.removeprefix("file://")).unlink(missing_ok=True)
 

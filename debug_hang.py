@@ -16,7 +16,9 @@ The bugs (search for "BUG" below; --fix runs the same case with the line that fo
 The tools (they work the same on any DDP job):
   - the flight recorder (on here): TORCH_FR_BUFFER_SIZE=2000 makes every rank keep its last 2000 collectives (gloo
     too, on torch 2.14); each rank writes them to OUTPUT/flight_recorder/rank_N as it leaves, and a failing rank
-    compares them: which collective had no partner, or the first one the ranks ran differently.
+    compares them: which collective had no partner, or the first one the ranks ran differently. On NCCL a timed-out
+    rank is ended by the watchdog, not Python: NCCL's own dump (TORCH_NCCL_DUMP_ON_TIMEOUT) writes the records to
+    OUTPUT/flight_recorder/nccl_trace_rank_N, and torch's `torchfrtrace` compares them.
   - stacks: a rank that makes no step for --timeout / 2 seconds writes the stacks of all its threads, taken while it
     waits, to OUTPUT/stacks/rank_N.txt: `py-spy dump` where py-spy is installed, else Python's faulthandler.
   - TORCH_DISTRIBUTED_DEBUG=DETAIL (on the command line, as above): before every collective the ranks compare
@@ -311,6 +313,15 @@ def main():
     records, stacks = output / "flight_recorder", output / "stacks" / f"rank_{rank}.txt"
     # The flight recorder: every process group made from here on keeps its last 2000 collectives, gloo's too.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    if device.type == "cuda":
+        # NCCL: a collective that overruns --timeout ends the process from the watchdog thread (SIGABRT), where no
+        # Python runs, so no rank could write or compare its record below. The watchdog writes it itself first:
+        # FOLDER/nccl_trace_rank_N, which `torchfrtrace FOLDER --prefix nccl_trace_rank_` compares.
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(records / "nccl_trace_rank_"))
+        records.mkdir(parents=True, exist_ok=True)
+        print0(ctx, f"On NCCL the watchdog writes each rank's flight record to {records}/nccl_trace_rank_N when a "
+                    f"collective times out; compare them with `torchfrtrace {records} --prefix nccl_trace_rank_`")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
                             device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later

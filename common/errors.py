@@ -102,6 +102,13 @@ def explain(error):
             return say(match, text)
     if re.fullmatch(r"Wait timeout|Socket Timeout", text.strip()):  # a store's wait ran out: a peer never came
         return f"not every rank reached the rendezvous within --timeout: {MISSING_PEERS}"
+    # Any other NCCL error that reaches Python: its own words, without the source file, and the line NCCL gives
+    # after "Last error:" (the failed call and its reason: often the one line that says what went wrong).
+    nccl = re.match(r"NCCL error in: [^,\n]*, ([^\n]*)", text.strip())
+    if nccl:
+        last = re.search(r"\nLast error:\s*([^\n]+)", text)
+        return (f"{type(error).__name__}: NCCL error: {nccl[1]}{f'; last error: {last[1].strip()}' if last else ''} "
+                f"({TRACEBACK_VARIABLE}=1 shows the traceback)")
     return (f"{type(error).__name__}: {_first_line(text) or '(no message)'} "
             f"({TRACEBACK_VARIABLE}=1 shows the traceback)")
 

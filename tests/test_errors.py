@@ -41,13 +41,35 @@ def test_recognised_errors_are_explained(error, words):
     assert words in explain(error)
 
 
+# Any other NCCL error, in the form torch 2.14 builds it (C10D_NCCL_CHECK: "NCCL error in: FILE:LINE, <NCCL's
+# error string>, NCCL version V", then getNcclErrorDetailStr's interpretation and "Last error:" with NCCL's own
+# account of the failed call): the line keeps NCCL's words and its last error, and guesses no cause.
+NCCL_SYSTEM_ERROR = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled system error (run "
+    "with NCCL_DEBUG=INFO for details), NCCL version 2.27.5\nncclSystemError: System call (e.g. socket, malloc) or "
+    "external library call failed or device error. \nLast error:\nsocketStartConnect: Connect to 10.0.0.2<50311> "
+    "failed : Software caused connection abort")
+
+
+@pytest.mark.parametrize("text,line", [
+    (NCCL_SYSTEM_ERROR, "DistBackendError: NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details), "
+                        "NCCL version 2.27.5; last error: socketStartConnect: Connect to 10.0.0.2<50311> failed : "
+                        "Software caused connection abort (FULL_TRACEBACK=1 shows the traceback)"),
+    ("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5\nncclUnhandledCudaError: "
+     "Call to CUDA function failed.\nLast error: Unknown NCCL Error\n",
+     "DistBackendError: NCCL error: unhandled cuda error, NCCL version 2.21.5; last error: Unknown NCCL Error "
+     "(FULL_TRACEBACK=1 shows the traceback)"),
+], ids=["system-error", "cuda-error"])
+def test_an_nccl_error_keeps_nccls_last_error(text, line):
+    assert explain(dist.DistBackendError(text)) == line
+
+
 @pytest.mark.parametrize("error", [
-    dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5"),
     RuntimeError("mat1 and mat2 shapes cannot be multiplied (64x784 and 10x10)"),
     RuntimeError("Gloo connectFullMesh failed with [pair.cc:152] timed out connecting: SO_ERROR: Connection refused"),
     ValueError("Error initializing torch.distributed using env:// rendezvous: environment variable MASTER_ADDR "
                "expected, but not set"),
-], ids=["nccl-other", "shapes", "gloo-connect", "env-missing"])
+], ids=["shapes", "gloo-connect", "env-missing"])
 def test_anything_else_keeps_its_own_first_line(error):
     """Not one of the messages above: no guessed cause (no "lost contact"), its own words and the traceback hint."""
     line = explain(error)

@@ -41,7 +41,8 @@ torch.cuda.device_count = lambda: {gpus}
 torch.cuda.set_device = lambda device: None
 def init_process_group(backend=None, **kwargs):
     print("init_process_group " + json.dumps(dict(backend=backend, rank=kwargs.get("rank"),
-                                                  device_id=str(kwargs.get("device_id")))), flush=True)
+                                                  device_id=str(kwargs.get("device_id")), env={{
+        k: v for k, v in os.environ.items() if k.startswith("TORCH_NCCL_")}})), flush=True)
     os._exit(0)
 torch.distributed.init_process_group = init_process_group
 """
@@ -69,17 +70,33 @@ CHAPTERS = [  # (command, environment, GPUs this process sees, [(rank, the devic
 ]
 
 
-@pytest.mark.parametrize("argv,env,gpus,expected", CHAPTERS, ids=[c[0][0] for c in CHAPTERS])
-def test_nccl_is_bound_to_the_ranks_gpu_at_init(argv, env, gpus, expected, tmp_path):
-    """init_process_group gets device_id=<the rank's GPU> on CUDA: NCCL then connects inside it, so a broken NCCL
-    set-up fails there, in one line, rather than in the first collective (torch's advice since 2.3)."""
+def _init_calls(argv, env, gpus, tmp_path):
+    """Run a chapter with `gpus` fake GPUs up to init_process_group: what each rank asked it for."""
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(RECORD_INIT.format(gpus=gpus))
     proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(BASE_ENV, PYTHONPATH=str(shim), **env))
     assert proc.returncode == 0, proc.stderr
-    calls = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-             if line.startswith("init_process_group ")]
+    return [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+            if line.startswith("init_process_group ")], proc.stdout
+
+
+@pytest.mark.parametrize("argv,env,gpus,expected", CHAPTERS, ids=[c[0][0] for c in CHAPTERS])
+def test_nccl_is_bound_to_the_ranks_gpu_at_init(argv, env, gpus, expected, tmp_path):
+    """init_process_group gets device_id=<the rank's GPU> on CUDA: NCCL then connects inside it, so a broken NCCL
+    set-up fails there, in one line, rather than in the first collective (torch's advice since 2.3)."""
+    calls, out = _init_calls(argv, env, gpus, tmp_path)
     assert sorted((c["rank"], c["backend"], c["device_id"]) for c in calls) == \
-        [(rank, "nccl", device) for rank, device in expected], proc.stdout
+        [(rank, "nccl", device) for rank, device in expected], out
+
+
+def test_chapter_8_lets_the_nccl_watchdog_write_the_flight_record(tmp_path):
+    """On NCCL a rank that times out is ended by the watchdog (SIGABRT), where chapter 8's own record writing cannot
+    run: before init it asks NCCL to dump the record itself, into the folder where the gloo records go."""
+    out = tmp_path / "out"
+    calls, log = _init_calls(["debug_hang.py", "--bug", "early-stop", "--output", str(out)],
+                             _launch_env(0, 0, 2, 2), 2, tmp_path)
+    assert calls[0]["env"] == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                               "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{out}/flight_recorder/nccl_trace_rank_"}
+    assert f"torchfrtrace {out}/flight_recorder --prefix nccl_trace_rank_" in log
