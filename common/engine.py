@@ -145,7 +145,9 @@ def compiled_so_far():
 def evaluate(model, loader, epoch, ctx, metrics):
     """Accuracy and mean loss over the whole test set: each rank counts its shard, the counts are summed.
 
-    Always in float32, whatever --precision trained the (float32) weights: the figure measures the model itself.
+    Outside autocast, so in float32 whatever --precision trained the (float32) weights: the figure measures the model
+    itself. (fsdp.py in bf16 is the exception: FSDP2 gathers bf16 weights for every forward, so its products are bf16;
+    its outputs come back float32, so the sums below are not rounded to bf16.)
     """
     model.eval()
     loss_sum = torch.zeros((), device=ctx.device)

@@ -136,6 +136,13 @@ def test_bf16_through_every_launcher(kind, world, precision_reference, real_data
     """bf16 ran: chapter 1's bf16 losses, not its fp32 ones; and the model learned as much as in fp32."""
     log = train(kind, world, real_data, tmp_path / "run", procs, *BF16, "--precision", "bf16")
     _assert_bf16_ran(log, read_metrics(tmp_path / "run"), precision_reference)
+    # The test loss is summed from float32 logits. From bf16 ones each rank's sum (250 images, 450 to 550) would be
+    # rounded to bf16, whose steps there are 2 or 4: the total a multiple of 2. float32 sums land on one by chance
+    # with odds of about 1 in 60,000 an epoch.
+    for record in read_metrics(tmp_path / "run"):
+        if record["kind"] == "epoch":
+            total = record["test_loss"] * 500
+            assert abs(total / 2 - round(total / 2)) > 1e-9, (record, "the test loss was summed in bf16")
 
 
 # fp16 cannot be told from fp32 by the losses or weights (float16 keeps 3 more bits than bfloat16: chapter 1's first
