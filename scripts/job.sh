@@ -25,19 +25,23 @@
 #SBATCH --open-mode=append       # a requeued job appends to its log, so the log holds every part
 #SBATCH --output=%x-%j.out       # the log, in the folder you submitted from: %x = job name, %j = job id
 
+# The time limit is near (--signal above): pass SIGUSR1 on to the tasks (srun forwards it); they finish the epoch,
+# rank 0 writes the --snapshot, and they exit 0. Then this script puts the job back in the queue: the same job id,
+# run again with the same arguments, resumes from the snapshot. A job killed without warning is not requeued:
+# submit it again with the same --snapshot and it resumes from the last epoch the snapshot holds.
+# The trap comes first, so a warning that arrives early cannot end this script.
+trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
+
 # Fail the job instead of hanging: if one task exits non-zero, srun stops the others at once.
 # `python` is whatever the submitting shell had on PATH (sbatch passes the environment on): activate
 # your venv before `sbatch`. The job starts in the folder sbatch was run from.
 srun --kill-on-bad-exit=1 python ddp_slurm.py "$@" &
 step=$!
-
-# The time limit is near (--signal above): pass SIGUSR1 on to the tasks (srun forwards it); they finish the epoch,
-# rank 0 writes the --snapshot, and they exit 0. Then this script puts the job back in the queue: the same job id,
-# run again with the same arguments, resumes from the snapshot. A job killed without warning is not requeued:
-# submit it again with the same --snapshot and it resumes from the last epoch the snapshot holds.
-trap 'warned=1; kill -USR1 "$step"' USR1
+[ -z "$warned" ] || kill -USR1 "$step"  # a warning that came before the step existed
 wait "$step"; status=$?
-while [ -n "$warned" ] && [ "$status" = 138 ]; do wait "$step"; status=$?; done  # 138: wait cut short by the trap
+# 138 (128 + SIGUSR1): the trap cut `wait` short while the step runs on, so wait again; or the step itself died of
+# the signal, and then it is gone and that is its status.
+while [ "$status" = 138 ] && kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
 if [ -n "$warned" ] && [ "$status" = 0 ]; then
     case " $* " in
         *" --snapshot"*) echo "job.sh: warned before the time limit; requeueing job $SLURM_JOB_ID"

@@ -26,21 +26,25 @@
 # on one node do not collide. NPROC_PER_NODE (default: one per visible GPU) overrides the worker count.
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$((20000 + SLURM_JOB_ID % 10000))
-# torchrun itself must not see SIGUSR1 (it would die of it, and take its workers along): `env --ignore-signal`
-# starts it with the signal ignored, and each worker sets its own handler (ddp_launch.py).
-srun --kill-on-bad-exit=1 env --ignore-signal=USR1 torchrun --nnodes "$SLURM_NNODES" \
-    --nproc-per-node "${NPROC_PER_NODE:-gpu}" --rdzv-backend c10d --rdzv-endpoint "$head:$port" \
-    --rdzv-id "$SLURM_JOB_ID" ddp_launch.py "$@" &
-step=$!
 
 # The time limit is near (--signal above): pass SIGUSR1 on to the step (srun forwards it to its every process, and
 # torchrun ignores it); the workers finish the epoch, rank 0 writes the --snapshot, and they exit 0. Then this script
 # puts the job back in the queue: the same job id, run again with the same arguments, resumes from the snapshot. A job
 # killed without warning is not requeued: submit it again with the same --snapshot and it resumes from the last
-# epoch the snapshot holds.
-trap 'warned=1; kill -USR1 "$step"' USR1
+# epoch the snapshot holds. The trap comes first, so a warning that arrives early cannot end this script.
+trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
+# torchrun itself must not see SIGUSR1 (it would die of it, and take its workers along): it starts with the signal
+# ignored (an ignored signal stays ignored across exec, in every shell; coreutils' `env --ignore-signal` needs 8.31),
+# and each worker sets its own handler (ddp_launch.py).
+srun --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec torchrun "$@"' torchrun --nnodes "$SLURM_NNODES" \
+    --nproc-per-node "${NPROC_PER_NODE:-gpu}" --rdzv-backend c10d --rdzv-endpoint "$head:$port" \
+    --rdzv-id "$SLURM_JOB_ID" ddp_launch.py "$@" &
+step=$!
+[ -z "$warned" ] || kill -USR1 "$step"  # a warning that came before the step existed
 wait "$step"; status=$?
-while [ -n "$warned" ] && [ "$status" = 138 ]; do wait "$step"; status=$?; done  # 138: wait cut short by the trap
+# 138 (128 + SIGUSR1): the trap cut `wait` short while the step runs on, so wait again; or the step itself died of
+# the signal, and then it is gone and that is its status.
+while [ "$status" = 138 ] && kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done
 if [ -n "$warned" ] && [ "$status" = 0 ]; then
     case " $* " in
         *" --snapshot"*) echo "job_torchrun.sh: warned before the time limit; requeueing job $SLURM_JOB_ID"

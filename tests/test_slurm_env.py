@@ -92,3 +92,88 @@ def test_outside_slurm_says_how_to_submit():
     proc = run_script("ddp_slurm.py", "--epochs", "1", env={"SLURM_JOB_ID": ""})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "sbatch scripts/job.sh" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- The batch scripts' signal handling, with a stand-in srun on PATH (no cluster needed) ----
+
+FAKE_SRUN = """#!/bin/bash
+# srun's stand-in: drop srun's own options, then run the task as srun would, in the foreground.
+while [ "${1#-}" != "$1" ]; do shift; done
+echo started > "$STARTED"
+exec "$@"
+"""
+
+
+# coreutils 8.30's env (RHEL/Rocky 8): no --ignore-signal.
+ENV_8_30 = """#!/bin/bash
+case "$1" in --ignore-signal*) echo "env: unrecognized option '$1'" >&2; exit 125 ;; esac
+exec /usr/bin/env "$@"
+"""
+
+
+def _batch_script(tmp_path, script, task, old_env=False):
+    """Start scripts/SCRIPT as the batch shell would, with an srun that runs `task` (a bash snippet) as its task."""
+    import os
+    import subprocess
+
+    from conftest import REPO
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("python", f"#!/bin/bash\n{task}\n"), ("torchrun", f"#!/bin/bash\n{task}\n"),
+                       ("scontrol", "#!/bin/bash\necho node1\n"), *((("env", ENV_8_30),) if old_env else ())):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", STARTED=str(tmp_path / "started"),
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node1", SLURM_NNODES="1")
+    proc = subprocess.Popen(["bash", str(REPO / "scripts" / script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, tmp_path / "started"
+
+
+def _wait_for(path, proc, seconds=20):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("script,task", [
+    ("job.sh", "sleep 30"),  # a task without a handler: SIGUSR1's default action ends it, status 138
+    ("job_torchrun.sh", "sleep 2; exit 138"),  # torchrun ignores the signal; here the step ends 138 all the same
+])
+def test_a_step_that_ends_with_138_ends_the_job_with_its_status(script, task, tmp_path):
+    """The warning reaches the batch script, which passes it on; the step then ends with status 138 (128 + SIGUSR1).
+    The script must end with that status, not wait again for a step that is gone (which gives 127)."""
+    import signal
+
+    proc, started = _batch_script(tmp_path, script, task)
+    _wait_for(started, proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 138, (out, err)
+    assert "requeueing" not in out
+
+
+def test_torchrun_starts_with_the_warning_ignored_without_coreutils_8_31(tmp_path):
+    """job_torchrun.sh's torchrun must ignore SIGUSR1 (its agent has no handler and would die), on any cluster:
+    `env --ignore-signal` (coreutils 8.31) is not on RHEL 8's 8.30. The stand-in torchrun reports its ignored
+    signals (SigIgn in /proc/self/status: bit 9 is SIGUSR1)."""
+    proc, _ = _batch_script(tmp_path, "job_torchrun.sh", "grep SigIgn /proc/self/status; exit 0", old_env=True)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    mask = int(out.split("SigIgn:")[1].split()[0], 16)
+    assert mask & (1 << 9), out
+
+
+@pytest.mark.parametrize("script", ["job.sh", "job_torchrun.sh"])
+def test_the_warning_trap_is_set_before_the_step_starts(script):
+    """A SIGUSR1 that reached the script before its trap would end it (the default action): the trap comes first."""
+    from conftest import REPO
+
+    lines = (REPO / "scripts" / script).read_text().splitlines()
+    trap = next(i for i, line in enumerate(lines) if line.startswith("trap ") and line.endswith(" USR1"))
+    step = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert trap < step
