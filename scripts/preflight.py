@@ -9,8 +9,11 @@ way, says where every rank is and which network interface it uses, and times all
 Every rank prints one line (host, rank, local rank, device, backend, and the interface gloo / NCCL will use);
 rank 0 prints the timings and ends with one line: `preflight: OK ...` with the ranks, hosts and the measured
 bandwidth, or `preflight: FAILED ...` naming the rank that could not meet the others and why (exit 1). A rank that
-cannot reach another fails there, at the rendezvous: gloo connects every pair of ranks inside init_process_group.
-Bandwidth is the bus bandwidth as nccl-tests defines it (bus_bandwidth below).
+cannot reach another fails in init_process_group or the first collective, both inside that one line: gloo connects
+every pair of ranks inside init_process_group; NCCL, given device_id=, builds its communicator there, and a data
+connection it opens later fails in the first collective. (On NCCL a peer that hangs rather than fails is ended by
+NCCL's watchdog after --timeout, with torch's own lines instead.) The timings sweep buffer sizes and report the
+algorithm and bus bandwidth as nccl-tests does (timed and bus_bandwidth below).
 """
 import fcntl
 import os
@@ -31,8 +34,10 @@ from common.config import parse_config  # noqa: E402
 from common.errors import FatalError, explain, one_line_errors, run_main  # noqa: E402
 from common.ranks import DistContext, check_rendezvous, default_nprocs, free_port, rank_device  # noqa: E402
 
-SIZES = (4 * 1024, 1024 * 1024, 16 * 1024 * 1024)  # bytes: a latency-bound, a middle and a bandwidth-bound size
-REPEATS = 5
+# Buffer sizes swept as nccl-tests sweeps them (x4 a step): from latency-bound to bandwidth-bound. On GPUs up to 256
+# MiB, where a fast link needs that much to reach its bandwidth; on the CPU (gloo) 16 MiB already does.
+SMALLEST, LARGEST = 4 * 1024, {"cuda": 256 * 1024 * 1024, "cpu": 16 * 1024 * 1024}
+WARMUP, ITERATIONS = 5, 20  # per size, as nccl-tests' defaults: untimed runs first, then the mean of the timed ones
 
 
 def interfaces():
@@ -65,22 +70,31 @@ def interface_in_use(backend):
     return f"{names[0] if names else '?'} ({address}, from host name {host}; GLOO_SOCKET_IFNAME unset)"
 
 
+def sizes(device):
+    """The buffer sizes to time, in bytes: SMALLEST x 4^k up to the largest for this device."""
+    found, size = [], SMALLEST
+    while size <= LARGEST[device.type]:
+        found.append(size)
+        size *= 4
+    return found
+
+
 def timed(op, tensor, ctx):
-    """Median seconds of REPEATS runs of op(tensor), after one warm-up; every rank runs it together."""
-    op(tensor)
-    times = []
-    for _ in range(REPEATS):
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        dist.barrier()
-        start = time.perf_counter()
+    """Mean seconds of one op(tensor) as nccl-tests times it: WARMUP runs, then ITERATIONS back to back between two
+    synchronisations, the total divided by ITERATIONS; the slowest rank's mean (the collective waits for it)."""
+    for _ in range(WARMUP):
         op(tensor)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor(sorted(times)[len(times) // 2], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the collective is as slow as its slowest rank
-    return slowest.item()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(ITERATIONS):
+        op(tensor)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    mean = torch.tensor((time.perf_counter() - start) / ITERATIONS, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+    return mean.item()
 
 
 # What a rank sends per byte of the buffer, as nccl-tests counts it: an all-reduce (reduce-scatter, then all-gather)
@@ -89,39 +103,42 @@ def timed(op, tensor, ctx):
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1}
 
 
+def algorithm_bandwidth(nbytes, seconds):
+    """nccl-tests' algbw: the buffer's bytes over the time one op took."""
+    return nbytes / seconds
+
+
 def bus_bandwidth(op, nbytes, seconds, world_size):
-    """Bytes per second on each rank's link for op on an nbytes buffer that took seconds over world_size ranks."""
-    return nbytes / seconds * BUS_FACTOR[op](world_size)
+    """nccl-tests' busbw: bytes per second on each rank's link for op on an nbytes buffer over world_size ranks."""
+    return algorithm_bandwidth(nbytes, seconds) * BUS_FACTOR[op](world_size)
 
 
 def human(nbytes):
     return f"{nbytes // 1024 // 1024} MiB" if nbytes >= 1024 * 1024 else f"{nbytes // 1024} KiB"
 
 
-def preflight(ctx, backend):
-    """Every rank: its line, then the reachability check and the timings; rank 0 prints the result."""
-    host = socket.gethostname()
-    line = (f"[rank {ctx.rank}] host={host} local_rank={ctx.local_rank} device={ctx.device} backend={backend} "
-            f"world_size={ctx.world_size} iface={interface_in_use(backend)}")
-    print(line + "\n", end="", flush=True)
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, host)
+def preflight(ctx, backend, everyone):
+    """Every rank, once all have met (everyone: each rank's host name): the timings; rank 0 prints the result."""
     results = []
-    for size in SIZES:
+    swept = sizes(ctx.device)
+    for size in swept:
         tensor = torch.ones(size // 4, dtype=torch.float32, device=ctx.device)
         for op, run in (("all_reduce", dist.all_reduce), ("broadcast", lambda t: dist.broadcast(t, 0))):
             seconds = timed(run, tensor, ctx)
-            results.append((op, size, seconds, bus_bandwidth(op, size, seconds, ctx.world_size)))
+            results.append((op, size, seconds, algorithm_bandwidth(size, seconds),
+                            bus_bandwidth(op, size, seconds, ctx.world_size)))
     if ctx.rank == 0:
-        for name, size, seconds, busbw in results:
-            print(f"{name:>10} {human(size):>7}: {seconds * 1e3:8.3f} ms  {busbw / 1e9:7.3f} GB/s bus bandwidth")
+        print(f"{'op':>10} {'size':>7}  {'time':>11}  {'algbw':>12}  {'busbw':>12}  (mean of {ITERATIONS}, float32)")
+        for name, size, seconds, algbw, busbw in results:
+            print(f"{name:>10} {human(size):>7}: {seconds * 1e3:8.3f} ms  {algbw / 1e9:7.3f} GB/s  "
+                  f"{busbw / 1e9:7.3f} GB/s")
         hosts = {}
         for rank, h in enumerate(everyone):
             hosts.setdefault(h, []).append(rank)
         where = ", ".join(f"{h}: {','.join(map(str, r))}" for h, r in hosts.items())
-        big = {name: busbw for name, size, _, busbw in results if size == SIZES[-1]}
+        big = {name: busbw for name, size, _, _, busbw in results if size == swept[-1]}
         print(f"preflight: OK: {ctx.world_size} ranks on {len(hosts)} host{'s' * (len(hosts) > 1)} ({where}); "
-              f"{human(SIZES[-1])} all_reduce {big['all_reduce'] / 1e9:.3f} GB/s, broadcast "
+              f"{human(swept[-1])} all_reduce {big['all_reduce'] / 1e9:.3f} GB/s, broadcast "
               f"{big['broadcast'] / 1e9:.3f} GB/s (bus bandwidth, {backend})", flush=True)
 
 
@@ -132,15 +149,22 @@ def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
         torch.cuda.set_device(device)
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    host = socket.gethostname()
+    print(f"[rank {rank}] host={host} local_rank={local_rank} device={device} backend={backend} "
+          f"world_size={world_size} iface={interface_in_use(backend)}\n", end="", flush=True)
+    everyone = [None] * world_size
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg.timeout),
                                 device_id=device if device.type == "cuda" else None)  # NCCL connects here
+        dist.all_gather_object(everyone, host)  # the first collective: every rank's host name
     except Exception as e:
-        raise FatalError(f"preflight: FAILED: rank {rank} on {socket.gethostname()} could not meet the others at "
-                         f"{init_method}: {explain(e)}") from None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise FatalError(f"preflight: FAILED: rank {rank} on {host} could not meet the others at {init_method}: "
+                         f"{explain(e)}") from None
     try:
-        preflight(ctx, backend)
+        preflight(ctx, backend, everyone)
     finally:
         dist.destroy_process_group()
 

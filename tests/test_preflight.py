@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import REPO, TORCHRUN
 from netns import IFNAME, NODES, TwoMachines
@@ -33,23 +34,33 @@ def test_bus_bandwidth_is_nccl_tests_busbw():
     assert bus_bandwidth("all_reduce", 16 * 2**20, 0.010, 2) == pytest.approx(1.6777216e9)  # 2*(2-1)/2 = 1
     assert bus_bandwidth("broadcast", 16 * 2**20, 0.010, 4) == pytest.approx(1.6777216e9)
     assert bus_bandwidth("all_reduce", 4096, 0.001, 8) == pytest.approx(7.168e6)  # 4.096 MB/s x 2*7/8
+    assert load_preflight().algorithm_bandwidth(16 * 2**20, 0.010) == pytest.approx(1.6777216e9)
+
+
+def test_the_sweep_is_nccl_tests_on_gpus_and_shorter_on_the_cpu():
+    sizes = load_preflight().sizes
+    assert sizes(torch.device("cpu")) == [4096 * 4**k for k in range(7)]  # 4 KiB .. 16 MiB
+    assert sizes(torch.device("cuda", 0))[-1] == 256 * 2**20 and len(sizes(torch.device("cuda", 0))) == 9
 
 
 def check_ok(out, hosts, where):
-    """The OK line as the last line, and every timed row's GB/s what its time gives (2 ranks: all-reduce factor 1)."""
+    """The OK line as the last line, and every timed row's algbw and busbw what its time gives (2 ranks: both bus
+    factors are 1, 2 * (2 - 1) / 2 for the all-reduce and 1 for the broadcast)."""
     match = OK.search(out)
     assert match and match[1] == str(hosts) and match[2] == where, out
     assert out.rstrip().splitlines()[-1] == match[0]  # the last line
-    sizes = {"4 KiB": 4096, "1 MiB": 2**20, "16 MiB": 16 * 2**20}
+    sizes = {"4 KiB": 4096, "16 KiB": 2**14, "64 KiB": 2**16, "256 KiB": 2**18, "1 MiB": 2**20, "4 MiB": 2**22,
+             "16 MiB": 16 * 2**20}
     printed = {}
     for op in ("all_reduce", "broadcast"):
-        rows = re.findall(rf"^ *{op} +(4 KiB|1 MiB|16 MiB): +(\d+\.\d+) ms +(\d+\.\d+) GB/s", out, re.M)
-        assert [size for size, _, _ in rows] == list(sizes), out  # every size, timed
-        for size, ms, gbs in rows:
-            ms, gbs = float(ms), float(gbs)
-            expected = sizes[size] / (ms / 1e3) / 1e9  # both factors are 1 at 2 ranks: 2 * (2 - 1) / 2, and 1
-            assert abs(gbs - expected) <= expected * 0.0005 / ms + 0.0005 + 1e-9, (op, size, ms, gbs)  # print rounding
-            printed[op, size] = gbs
+        rows = re.findall(rf"^ *{op} +(\d+ [KM]iB): +(\d+\.\d+) ms +(\d+\.\d+) GB/s +(\d+\.\d+) GB/s$", out, re.M)
+        assert [size for size, *_ in rows] == list(sizes), out  # every size, timed
+        for size, ms, algbw, busbw in rows:
+            ms, algbw, busbw = float(ms), float(algbw), float(busbw)
+            expected = sizes[size] / (ms / 1e3) / 1e9
+            for gbs in (algbw, busbw):
+                assert abs(gbs - expected) <= expected * 0.0005 / ms + 0.0005 + 1e-9, (op, size, ms, gbs)  # rounding
+            printed[op, size] = busbw
     assert (float(match[3]), float(match[4])) == (printed["all_reduce", "16 MiB"], printed["broadcast", "16 MiB"])
 
 
