@@ -13,15 +13,21 @@ TIMEOUT = 5  # --timeout: how long a rank waits for its peers in any collective
 # From the first "Epoch" line to the exit: the wait (--timeout at most), 5 s for the ranks to compare flight
 # records, and the slow exit of 2 torch processes on 2 shared cores.
 BOUND = TIMEOUT + 25
-# What each case needs on top of SLICE: one image more (uneven), a test set of 10 (bincount), a third epoch (stop).
-EXTRA = {"eval-on-rank0": [], "early-stop": ["--epochs", "3"], "uneven-batches": ["--train-samples", "961"],
-         "shape-mismatch": ["--test-samples", "10"]}
+# What each case needs on top of SLICE: one image more (uneven: 961 = 20 global batches of 48 and one image, whose
+# step, the 21st, rank 0 takes alone: with a loss line every 5 steps it prints one), the small test set the case
+# chooses itself when --test-samples is not given (bincount: SLICE's 500 are dropped), a third epoch (stop).
+EXTRA = {"eval-on-rank0": [], "early-stop": ["--epochs", "3"],
+         "uneven-batches": ["--train-samples", "961", "--log-every", "5"], "shape-mismatch": []}
 
 
-def debug_hang(procs, real_data, out, bug, *more, env=BASE_ENV):
+def debug_hang(procs, real_data, out, bug, *more, env=BASE_ENV, data_args=None, extra=None):
     """torchrun debug_hang.py --bug BUG on 2 ranks; (returncode, stdout, stderr, seconds from "Epoch 1" to the end)."""
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "debug_hang.py", *slice_args(real_data, out),
-           "--timeout", str(TIMEOUT), "--bug", bug, *EXTRA[bug], *more]
+    args = slice_args(real_data, out)
+    if bug == "shape-mismatch":  # without --test-samples: the case's own small test set
+        i = args.index("--test-samples")
+        args = args[:i] + args[i + 2:]
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "debug_hang.py", *(data_args or args),
+           "--timeout", str(TIMEOUT), "--bug", bug, *(EXTRA[bug] if extra is None else extra), *more]
     run = Watched(procs, cmd, env=env)
     run.wait_for("Epoch 1", timeout=120)
     start = time.monotonic()
@@ -83,6 +89,33 @@ def test_detail_check_names_both_collectives():
                            "#51 ALLREDUCE [3] Double: every rank must call the same collectives"), line
 
 
+def test_uneven_batches_without_train_samples_is_uneven(procs, tmp_path):
+    """`--bug uneven-batches` alone shows its bug on any training set: the case cuts it to one image more than whole
+    global batches (fake data: 256 images, batches of 48: 241, so 6 batches on rank 0 and 5 on rank 1)."""
+    from conftest import make_fake_fashion_mnist
+
+    make_fake_fashion_mnist(tmp_path / "fmnist")
+    data_args = ["--data-dir", str(tmp_path / "fmnist"), "--output", str(tmp_path / "out"), "--batch-size", "48",
+                 "--epochs", "1"]
+    code, out, err, _ = debug_hang(procs, None, tmp_path, "uneven-batches", data_args=data_args, extra=[])
+    assert code != 0 and "(241 train / 96 test images)" in out, out + err
+    assert "[rank 0] 121 training images, 6 batches" in out and "[rank 1] 120 training images, 5 batches" in out
+
+
+def test_early_stop_alone_stops_after_epoch_2_on_the_full_data():
+    """`--bug early-stop` alone (5 epochs of the full data) must stop rank 0 before the last epoch: chapter 1's test
+    losses in RUN.md, printed by the real run, reach the plateau rule in epoch 2."""
+    import debug_hang
+
+    from conftest import REPO
+
+    chapter_1 = (REPO / "RUN.md").read_text().split("## Chapter 2")[0]
+    losses = [float(x) for x in re.findall(r"Avg loss: ([\d.]+)", chapter_1)][:5]
+    assert len(losses) == 5
+    plateaus = [later > (1 - debug_hang.PLATEAU) * earlier for earlier, later in zip(losses, losses[1:])]
+    assert plateaus[0], losses  # epoch 2 improves on epoch 1 by less than the rule's share
+
+
 @pytest.fixture(scope="module")
 def reference_961(real_data, tmp_path_factory):
     """single_gpu.py on SLICE with 961 training images: what the fixed uneven case must train."""
@@ -101,5 +134,7 @@ def test_fix_trains_chapter_1s_model(bug, procs, real_data, reference, reference
         assert "Early stop after epoch 2" in out and "Epoch 3" not in out
     if bug == "shape-mismatch":
         assert re.search(r"^Per class:( \d+%){10}$", out, re.M), out
+    if bug == "uneven-batches":  # the 21st step, rank 0's alone, printed its loss line: the global batch's
+        assert "[  960/  961]" in out, out
     expected = reference_961 if bug == "uneven-batches" else reference[0]
     assert max_abs_diff(expected, load_state(tmp_path / "model.pth")) <= SAME_MODEL
