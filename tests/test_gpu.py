@@ -1,8 +1,12 @@
 """On a GPU: every chapter with CUDA + NCCL, DataParallel on every GPU, gloo on CUDA tensors, snapshots across devices,
 the device rules, no host sync per training step, and CUDA against CPU weights. Skipped, with the reason, without CUDA.
 
-The data must be where the suite finds it (./data or Debian's package); on a machine without the package, copy the
-four FashionMNIST .gz files into data/.
+The data must be where the suite finds it (./data or Debian's package). On a GPU machine without the package or a
+network, carry the four FashionMNIST .gz files beside the repository and run, from its root:
+
+    mkdir -p data && cp /path/to/fashion-mnist/*.gz data/ && FASHION_MNIST_OFFLINE=1 python -m pytest -q -s tests/test_gpu.py
+
+The tolerances below (CUDA_VS_CPU, SAME_MODEL) are guesses until that has run: -s prints the measured spreads.
 """
 import re
 import subprocess
@@ -240,3 +244,104 @@ def test_cuda_and_cpu_train_the_same_model(real_data, cuda_reference, tmp_path):
     difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))
     print(f"CUDA vs CPU after {SLICE[SLICE.index('--epochs') + 1]} epochs of the slice: max |Δ| = {difference:.3e}")
     assert difference <= CUDA_VS_CPU
+
+
+# ---- The flags and chapters 7 and 8 on CUDA ----
+
+FLAG_CASES = [("single_gpu.py", ("--precision", "bf16")), ("ddp_launch.py", ("--precision", "bf16")),
+              ("single_gpu.py", ("--precision", "fp16")), ("ddp_mp.py", ("--precision", "fp16")),
+              ("ddp_tcp_manual.py", ("--precision", "fp16")), ("ddp_slurm.py", ("--precision", "bf16")),
+              ("ddp_launch.py", ("--accum-steps", "2")), ("single_gpu.py", ("--compile",)),
+              ("ddp_launch.py", ("--compile", "--accum-steps", "2"))]
+
+
+@pytest.mark.parametrize("script,flags", FLAG_CASES, ids=[f"{s}{''.join(f)}" for s, f in FLAG_CASES])
+def test_the_training_flags_on_cuda(script, flags, real_data, cuda_reference, tmp_path):
+    """16-bit runs (fp16 with its GradScaler, whose scale each epoch prints) learn as much as fp32; accumulation and
+    compile train chapter 1's CUDA model."""
+    argv, env = chapter_command(script, tmp_path, real_data, *flags)
+    proc = run(argv, extra_env=env)
+    assert proc.returncode == 0, proc.stderr
+    if "--precision" in flags:
+        assert f"precision={flags[1]}" in proc.stdout
+        if flags[1] == "fp16":
+            assert len(re.findall(r"^fp16 loss scale: \S+$", proc.stdout, re.M)) == 2, proc.stdout
+        accuracies = [float(x) for x in re.findall(r"Accuracy: ([\d.]+)%", proc.stdout)]
+        print(f"{script} {' '.join(flags)}: accuracy {accuracies}")
+    else:
+        assert max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth")) <= SAME_MODEL
+    if "--compile" in flags:
+        assert "torch.compile so far:" in proc.stdout
+
+
+def test_fsdp_on_nccl_resumes_its_sharded_snapshot(real_data, cuda_reference, tmp_path):
+    """fsdp.py at world size 1 on the first GPU: one epoch with a sharded snapshot, then the second from it."""
+    snap = tmp_path / "snap"
+    for epochs in (1, 2):
+        argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "1", "fsdp.py", *SLICE, "--data-dir", real_data,
+                "--output", tmp_path / "run", "--snapshot", snap, "--epochs", str(epochs)]
+        proc = run(argv)
+        assert proc.returncode == 0, proc.stderr
+        assert "device=cuda:0 backend=nccl" in proc.stdout
+    assert "Resuming from" in proc.stdout
+    assert max_abs_diff(cuda_reference, load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: two NCCL ranks, one GPU each")
+@pytest.mark.parametrize("bug,extra", [("eval-on-rank0", []), ("early-stop", ["--epochs", "3"]),
+                                       ("uneven-batches", ["--train-samples", "961"]), ("shape-mismatch", [])])
+def test_chapter_8_on_nccl_ends_within_the_timeout(bug, extra, real_data, tmp_path):
+    """Each broken case on 2 GPUs ends non-zero within --timeout + 60 s (on NCCL the watchdog, not Python, ends a
+    rank that waits); the watchdog leaves its flight records where the chapter said."""
+    import time
+
+    timeout = 20
+    argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "debug_hang.py", "--bug", bug, *SLICE, "--data-dir",
+            real_data, "--output", tmp_path, "--timeout", str(timeout), *extra]
+    start = time.monotonic()
+    proc = run(argv, env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1"), timeout=600)
+    seconds = time.monotonic() - start
+    print(f"{bug} on NCCL: exit {proc.returncode} after {seconds:.1f}s\n{proc.stderr[-4000:]}")
+    assert proc.returncode != 0
+    assert seconds < timeout + 60 + 60  # + 60: start-up and one epoch of the slice
+    print("flight records:", sorted(p.name for p in (tmp_path / "flight_recorder").glob("*")))
+
+
+DATAPARALLEL_DTYPE = textwrap.dedent("""
+    # Two replicas on two GPUs under --precision bf16's autocast: the dtype each replica's output comes back in.
+    import torch
+    from torch import nn
+    from common.config import Config
+    from common.engine import DataParallel, autocast
+    from common.model import NeuralNetwork
+    x = torch.rand(8, 1, 28, 28, device="cuda:0")
+    for wrap in (nn.DataParallel, DataParallel):
+        model = wrap(NeuralNetwork().to("cuda:0"), device_ids=[0, 1])
+        with autocast(Config(precision="bf16"), torch.device("cuda", 0)):
+            replicas = model.replicate(model.module, model.device_ids)
+            inputs, kwargs = model.scatter((x,), {}, model.device_ids)
+            outputs = model.parallel_apply(replicas, inputs, kwargs)
+        print(wrap.__module__, wrap.__name__, [str(o.dtype) for o in outputs])
+""")
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: DataParallel runs one replica per GPU, in threads")
+def test_dataparallel_replicas_compute_in_bf16():
+    proc = run([sys.executable, "-c", DATAPARALLEL_DTYPE], env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1"),
+               extra_env=dict(PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    print(proc.stdout)  # torch's own nn.DataParallel: float16 in the replicas (the dtype is not passed to threads)
+    assert "common.engine DataParallel ['torch.bfloat16', 'torch.bfloat16']" in proc.stdout
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("script", ["ddp_launch.py", "fsdp.py"])
+def test_two_gpus_train_chapter_1s_model(script, real_data, cuda_reference, tmp_path):
+    argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, *SLICE, "--data-dir", real_data, "--output",
+            tmp_path]
+    proc = run(argv, env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1"))
+    assert proc.returncode == 0, proc.stderr
+    assert len(re.findall(r"device=cuda:[01] backend=nccl world_size=2", proc.stdout)) == 2
+    difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))
+    print(f"{script} on 2 GPUs vs chapter 1 on one: max |Δ| = {difference:.3e}")
+    assert difference <= SAME_MODEL
