@@ -43,6 +43,8 @@ def bug(name, breaks, tests, *patches):
 
 
 TRAIN_FLAGS = "tests/test_training_flags.py"
+ENGINE = "tests/test_model_engine.py"
+GPU_PATH = "tests/test_gpu_path.py"
 DESCRIBE = "    print0(ctx, cfg.describe())\n"
 IGNORE_PRECISION = DESCRIBE + '    cfg.precision = "fp32"  # planted: the run says bf16 and trains fp32\n'
 
@@ -91,8 +93,26 @@ MUTATIONS = [
           ("torchrun", "ddp_launch.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[torchrun-2]"),
           ("mp.spawn", "ddp_mp.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[mp-3]"),
           ("tcp", "ddp_tcp_manual.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[tcp-2]"),
-          ("srun", "ddp_slurm.py", f"{TRAIN_FLAGS}::test_bf16_under_srun"),
+          ("srun", "ddp_slurm.py", f"{TRAIN_FLAGS}::test_16_bits_under_srun[bf16]"),
           ("fsdp", "fsdp.py", f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[fsdp-2]")]],
+    *[bug(f"fp16-ignored-{launcher}", f"--precision fp16 really runs, with its GradScaler, under {launcher}",
+          [test], (script, DESCRIBE, IGNORE_PRECISION))
+      for launcher, script, test in [
+          ("torchrun", "ddp_launch.py", f"{TRAIN_FLAGS}::test_fp16_with_its_scaler_through_every_launcher[torchrun-2]"),
+          ("srun", "ddp_slurm.py", f"{TRAIN_FLAGS}::test_16_bits_under_srun[fp16]")]],
+    bug("fp16-scale-never-updated", "fp16: a step with inf/NaN gradients is skipped and the scale halved",
+        [f"{ENGINE}::test_fp16_scaler_skips_an_overflowing_step_then_steps_at_the_lower_scale"],
+        ("common/engine.py", "            scaler.update()\n", "")),
+    bug("fp16-unscaled-step", "fp16: the optimizer steps on unscaled gradients, through the scaler",
+        [f"{ENGINE}::test_fp16_scaler_skips_an_overflowing_step_then_steps_at_the_lower_scale"],
+        ("common/engine.py", "            scaler.step(optimizer)", "            optimizer.step()")),
+    bug("dataparallel-replicas-in-default-dtype", "chapter 2: the replicas compute in the dtype --precision names",
+        [f"{ENGINE}::test_dataparallel_replicas_compute_in_the_dtype_precision_names"],
+        ("common/engine.py", "super().parallel_apply([in_callers_autocast(r) for r in replicas], inputs, kwargs)",
+         "super().parallel_apply(replicas, inputs, kwargs)")),
+    bug("fsdp-bf16-outputs", "chapter 7 in bf16: the test loss is summed from float32 outputs",
+        [f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[fsdp-2]"],
+        ("fsdp.py", ",\n                                                        output_dtype=torch.float32)", ")")),
     bug("compile-ignored", "--compile compiles: torch's own count of captured graphs",
         [f"{TRAIN_FLAGS}::test_compile_trains_the_same_model[chapter1]"],
         ("single_gpu.py", "        model.compile()", "        pass")),
@@ -152,6 +172,42 @@ MUTATIONS = [
     bug("busbw-factor-dropped", "preflight: bus bandwidth as nccl-tests defines it",
         ["tests/test_preflight.py::test_bus_bandwidth_is_nccl_tests_busbw"],
         ("scripts/preflight.py", '"all_reduce": lambda n: 2 * (n - 1) / n', '"all_reduce": lambda n: 1')),
+    bug("preflight-sweep-skips-sizes", "preflight: a size sweep as nccl-tests, every size timed",
+        ["tests/test_preflight.py::test_preflight_on_one_machine[torchrun]"],
+        ("scripts/preflight.py", "        size *= 4\n", "        size *= 16\n")),
+    bug("uneven-fix-without-the-loss-line", "chapter 8: the uneven-batches fix holds at any --log-every",
+        ["tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[uneven-batches]"],
+        ("debug_hang.py", "with Join([self.model, LossLine(len(self.loader), self.cfg, self.ctx)],",
+         "with Join([self.model],")),
+    bug("early-stop-plateau-1-percent", "chapter 8: --bug early-stop alone shows the bug on the full data",
+        ["tests/test_debug_hang.py::test_early_stop_alone_stops_after_epoch_2_on_the_full_data"],
+        ("debug_hang.py", "PLATEAU = 0.15", "PLATEAU = 0.01")),
+
+    # --- The GPU path, played on the CPU ---
+    bug("every-rank-downloads", "the ranks of one machine fetch the data once",
+        ["tests/test_data.py::test_the_ranks_of_one_machine_download_the_data_once"],
+        ("ddp_launch.py", "    if ctx.local_rank == 0:  # one process per machine",
+         "    if True:  # one process per machine")),
+    bug("own-gpu-refused", "srun --gpus-per-task 1: a rank that sees one GPU uses it",
+        [f"{GPU_PATH}::test_each_rank_finds_its_gpu[srun-gpu-per-task]"],
+        ("common/ranks.py", "    if gpus == 1 and not ranks_here:", "    if False:")),
+    bug("nccl-connects-lazily", "NCCL connects inside init_process_group (device_id)",
+        [f"{GPU_PATH}::test_nccl_is_bound_to_the_ranks_gpu_at_init[ddp_slurm.py]"],
+        ("ddp_slurm.py", 'device_id=device if device.type == "cuda" else None)', "device_id=None)")),
+    bug("nccl-last-error-dropped", "errors: an NCCL error keeps NCCL's last error",
+        ["tests/test_errors.py::test_an_nccl_error_keeps_nccls_last_error"],
+        ("common/errors.py", "{f'; last error: {last[1].strip()}' if last else ''}", "")),
+    bug("no-nccl-flight-record", "chapter 8 on NCCL: the watchdog writes the flight record",
+        [f"{GPU_PATH}::test_chapter_8_lets_the_nccl_watchdog_write_the_flight_record"],
+        ("debug_hang.py", '        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")\n', "")),
+    bug("a-step-that-died-of-138-waited-for", "batch scripts: a step that ended 138 ends the job with 138",
+        ["tests/test_slurm_env.py::test_a_step_that_ends_with_138_ends_the_job_with_its_status[job.sh-sleep 30]"],
+        ("scripts/job.sh", 'while [ "$status" = 138 ] && kill -0 "$step" 2>/dev/null; do',
+         'while [ -n "$warned" ] && [ "$status" = 138 ]; do')),
+    bug("torchrun-needs-coreutils-8.31", "batch scripts: torchrun ignores SIGUSR1 on any cluster's coreutils",
+        ["tests/test_slurm_env.py::test_torchrun_starts_with_the_warning_ignored_without_coreutils_8_31"],
+        ("scripts/job_torchrun.sh", """bash -c 'trap "" USR1; exec torchrun "$@"' torchrun""",
+         "env --ignore-signal=USR1 torchrun")),
 ]
 
 
