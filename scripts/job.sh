@@ -29,7 +29,8 @@
 # rank 0 writes the --snapshot, and they exit 0. Then this script puts the job back in the queue: the same job id,
 # run again with the same arguments, resumes from the snapshot. A job killed without warning is not requeued:
 # submit it again with the same --snapshot and it resumes from the last epoch the snapshot holds.
-# The trap comes first, so a warning that arrives early cannot end this script.
+# The trap comes first, so a warning that arrives early cannot end this script (one that comes before the step
+# exists is not passed on: the tasks could not catch it yet).
 trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
 
 # Fail the job instead of hanging: if one task exits non-zero, srun stops the others at once.
@@ -37,7 +38,6 @@ trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
 # your venv before `sbatch`. The job starts in the folder sbatch was run from.
 srun --kill-on-bad-exit=1 python ddp_slurm.py "$@" &
 step=$!
-[ -z "$warned" ] || kill -USR1 "$step"  # a warning that came before the step existed
 wait "$step"; status=$?
 # 138 (128 + SIGUSR1): the trap cut `wait` short while the step runs on, so wait again; or the step itself died of
 # the signal, and then it is gone and that is its status.

@@ -31,7 +31,8 @@ port=$((20000 + SLURM_JOB_ID % 10000))
 # torchrun ignores it); the workers finish the epoch, rank 0 writes the --snapshot, and they exit 0. Then this script
 # puts the job back in the queue: the same job id, run again with the same arguments, resumes from the snapshot. A job
 # killed without warning is not requeued: submit it again with the same --snapshot and it resumes from the last
-# epoch the snapshot holds. The trap comes first, so a warning that arrives early cannot end this script.
+# epoch the snapshot holds. The trap comes first, so a warning that arrives early cannot end this script
+# (one that comes before the step exists is not passed on: the tasks could not catch it yet).
 trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
 # torchrun itself must not see SIGUSR1 (it would die of it, and take its workers along): it starts with the signal
 # ignored (an ignored signal stays ignored across exec, in every shell; coreutils' `env --ignore-signal` needs 8.31),
@@ -40,7 +41,6 @@ srun --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec torchrun "$@"' torchrun --
     --nproc-per-node "${NPROC_PER_NODE:-gpu}" --rdzv-backend c10d --rdzv-endpoint "$head:$port" \
     --rdzv-id "$SLURM_JOB_ID" ddp_launch.py "$@" &
 step=$!
-[ -z "$warned" ] || kill -USR1 "$step"  # a warning that came before the step existed
 wait "$step"; status=$?
 # 138 (128 + SIGUSR1): the trap cut `wait` short while the step runs on, so wait again; or the step itself died of
 # the signal, and then it is gone and that is its status.
