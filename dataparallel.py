@@ -3,16 +3,15 @@
     CUDA_VISIBLE_DEVICES=0,1,2,3 python dataparallel.py   # one process splits each batch over 4 GPUs
     python dataparallel.py                                 # no GPU: runs the model on the CPU as chapter 1
 
-One process, one optimizer: each step DataParallel copies the model to every GPU, scatters the batch,
-gathers the outputs on the first GPU and sums the gradients there. Simple, but single-process and
-bottlenecked on GPU 0; the DDP chapters do better.
+One process, one optimizer: each step DataParallel copies the model to every GPU, scatters the batch, gathers the
+outputs on the first GPU and sums the gradients there. Simple, but one process, bottlenecked on GPU 0.
 """
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.config import parse_config
-from common.data import ShardSampler, load_fashion_mnist, make_loader
+from common.data import ShardSampler, load_fashion_mnist
 from common.engine import DataParallel, evaluate, train_one_epoch
 from common.errors import run_main
 from common.metrics import MetricsLog
@@ -20,31 +19,41 @@ from common.model import NeuralNetwork
 from common.ranks import DistContext, choose_device, print0
 
 
+def main():
+    cfg = parse_config(description=__doc__)
+    # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
+    device = choose_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+    ctx = DistContext(device=device)
+    train(cfg, ctx)
+
+
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device")
     output = prepare_output(cfg.output)
 
+    # Step 4, data: a seeded shuffle, new each epoch, all of it for the one process (DistributedSampler, 1 replica).
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
-    # A seeded shuffle, new each epoch: DistributedSampler with one replica. The DDP chapters give it more
-    # replicas, and the union of their k-th batches is this k-th batch: that is why they train the same model.
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg.batch_size // cfg.accum_steps, train_sampler)  # --accum-steps: micro-batches
-    test_loader = make_loader(test_set, 1000, ShardSampler(test_set))
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // cfg.accum_steps, sampler=train_sampler)
+    test_loader = DataLoader(test_set, batch_size=1000, sampler=ShardSampler(test_set))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
-    # DataParallel scatters each batch over GPUs first, first+1, ...; with no CUDA at all it just calls the model.
+    # Step 5, wrap: DataParallel scatters each batch over GPUs first, first+1, ...; with no CUDA at all it just calls
+    # the model. (common/engine.py's nn.DataParallel: its replicas, one thread per GPU, keep --precision's dtype.)
     first = ctx.device.index or 0
     n_gpu = torch.cuda.device_count() - first if ctx.device.type == "cuda" else 0
     print0(ctx, f"n_gpu: {n_gpu}")
     if n_gpu < 2:
-        print0(ctx, f"With {n_gpu} GPU(s) DataParallel has nothing to split: it falls back to running the model on {ctx.device}")
+        print0(ctx, f"With {n_gpu} GPU(s) DataParallel has nothing to split: it falls back to running the model on "
+                    f"{ctx.device}")
     if n_gpu or not torch.cuda.is_available():  # (it refuses a CPU model when GPUs exist, as with --device cpu)
-        # nn.DataParallel, whose replicas (one thread per GPU) keep --precision's autocast dtype (common/engine.py)
         model = DataParallel(model, device_ids=list(range(first, first + n_gpu)) or None)
-    if cfg.compile:  # compiled on the CPU or one GPU; on several, DataParallel's replicas in threads run eagerly
+    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
@@ -53,24 +62,18 @@ def train(cfg, ctx):
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
     metrics = MetricsLog(output, ctx, first_epoch)
+    # Step 6, epochs: each draws its own shuffle from seed + epoch.
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
-        train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
+        train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
     print0(ctx, "Done!")
 
-    save_weights(getattr(model, "module", model), output / "model.pth")  # the plain model: no `module.` prefix
+    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
+    save_weights(getattr(model, "module", model), output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
-
-
-def main():
-    cfg = parse_config(description=__doc__)
-    device = choose_device(cfg.device)  # --device, else the GPU if one is visible, else the CPU
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    train(cfg, DistContext(device=device))
 
 
 if __name__ == "__main__":

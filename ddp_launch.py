@@ -1,70 +1,78 @@
 """Chapter 3: DDP started by torchrun, which runs one copy of this script per GPU and tells each who it is.
 
-    torchrun --standalone --nproc-per-node 2 ddp_launch.py                 # one machine, 2 processes
-    torchrun --standalone --nproc-per-node gpu ddp_launch.py               # one process per visible GPU
-    # two machines, 4 GPUs each; run on both, with --node-rank 0 on the master (10.0.0.1):
-    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 ddp_launch.py
-    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 ddp_launch.py
-    # or let the nodes find each other through a c10d rendezvous (same command on every node):
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job1 ddp_launch.py
-    # elastic: if a worker dies, torchrun restarts the whole group (up to 3 times); --snapshot lets it resume
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 3 ddp_launch.py --snapshot runs/snap-ddp.pt
+    torchrun --standalone --nproc-per-node 2 ddp_launch.py      # one machine, 2 processes (GPUs, or the CPU)
+    torchrun --standalone --nproc-per-node gpu ddp_launch.py    # one process per visible GPU
 
-torchrun sets RANK (global), LOCAL_RANK (index on this node, picks the GPU), WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT; `init_method="env://"` reads them. No --local_rank argument, no hard-coded addresses.
-SIGUSR1 (scripts/job_torchrun.sh asks SLURM for it before the time limit) makes every worker stop after the
-epoch, at a --snapshot.
+Several machines, c10d rendezvous and elastic restarts (--max-restarts with --snapshot): docs/multinode.md.
 """
 import os
-import signal
-import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
-from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
+from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
 from common.config import parse_config
-from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist, make_loader
+from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
 from common.engine import evaluate, train_one_epoch
-from common.errors import UsageError, run_main
+from common.errors import name_rank_in_errors, run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import DistContext, all_reduce_sum, check_global_batch, meet_the_group, print0, rank_device
+from common.ranks import DistContext, check_global_batch, check_torchrun_worker, meet_the_group, print0, rank_device
 
 
-# Set by SIGUSR1, which SLURM sends ahead of the time limit (scripts/job_torchrun.sh): stop after this epoch.
-stop_requested = threading.Event()
+@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+def main():
+    cfg = parse_config(description=__doc__)
+    check_torchrun_worker("ddp_launch.py")  # started by torchrun; --max-restarts with a fresh store each time
+    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    name_rank_in_errors(rank, world_size)
+    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
+    # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
+    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+    try:
+        train(cfg, ctx)  # steps 4 to 7, below
+    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
+        dist.destroy_process_group()
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    meet_the_group(cfg, ctx)  # each rank's line; one line if they disagree on flags or share a GPU
+    torch.set_num_threads(meet_the_group(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
     output = prepare_output(cfg.output)
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 
-    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must, ...
+    # Step 4, data: chapter 1's shuffle, every world_size-th image to each rank (their k-th batches together are
+    # chapter 1's k-th batch); each rank tests a disjoint shard.
+    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
         locate_fashion_mnist(cfg.data_dir)
-    dist.barrier()  # ... while the machine's other ranks wait here; then every rank reads it
+    dist.barrier()  # ... while the others wait here
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
-    # Each rank takes every world_size-th image of chapter 1's shuffle, batch_size / world_size at a time, so
-    # the ranks' k-th batches together are chapter 1's k-th batch. Each rank tests a disjoint shard.
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg.batch_size // (ctx.world_size * cfg.accum_steps), train_sampler)
-    test_loader = make_loader(test_set, 1000, ShardSampler(test_set, ctx.rank, ctx.world_size))
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
+                              sampler=train_sampler)
+    test_loader = DataLoader(test_set, batch_size=1000, sampler=ShardSampler(test_set, ctx.rank, ctx.world_size))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
-    # DDP copies rank 0's weights to every rank, then averages the gradients over all ranks in each backward().
+    # Step 5, wrap: DDP copies rank 0's weights to every rank, then averages the gradients in each backward().
     model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-    if cfg.compile:
-        # After the wrap: TorchDynamo sees DDP and cuts the graph where DDP's gradient buckets end (here two: the
-        # last two layers fill the 1 MB first bucket, the first layer the next), so a bucket's all-reduce starts while
-        # backward() goes on. Compiled before the wrap, backward is one graph that hands DDP every gradient at its end.
+    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
@@ -73,58 +81,22 @@ def train(cfg, ctx):
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
     metrics = MetricsLog(output, ctx, first_epoch)
+    # Step 6, epochs: each draws its own shuffle from seed + epoch.
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
-        train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch (without it, every epoch is epoch 0's)
+        train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
+        # DDP acts inside: backward() all-reduces the gradients, except in no_sync() (--accum-steps; common/engine.py)
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
-        # Every rank adds its flag, so all of them stop after the same epoch (or none does), and only after an epoch
-        # the snapshot holds: the requeued job resumes from it. Without --snapshot there is nothing to resume: go on.
-        (warned,) = all_reduce_sum([stop_requested.is_set()], ctx)
-        if warned and cfg.snapshot and (epoch + 1) % cfg.save_every == 0 and epoch + 1 < cfg.epochs:
-            print0(ctx, f"Stopping after epoch {epoch + 1} of {cfg.epochs} (SIGUSR1: the time limit is near); "
-                        f"{cfg.snapshot} holds it")
+        if time_limit.reached(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")
 
-    if ctx.is_main:  # one copy: rank 0 saves model.module, the plain model inside DDP (no `module.` prefix)
+    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
+    if ctx.is_main:
         save_weights(model.module, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
-
-
-@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
-def main():
-    cfg = parse_config(description=__doc__)
-    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
-        raise UsageError("RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
-                         "`torchrun --standalone --nproc-per-node 2 ddp_launch.py`")
-    # torchrun --max-restarts starts a new group after a failure. Sharing torchrun's own key-value store (its
-    # default) the new workers would meet among the dead ones' keys and could dial their addresses (on torch 2.14
-    # the store keeps every attempt's keys), and on several nodes they need not agree which attempt they are in.
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes rank 0 open a fresh store for every attempt instead.
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        raise UsageError("torchrun --max-restarts needs a fresh store per restart: run it as "
-                         "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...` with a c10d rendezvous (--standalone, "
-                         "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
-    rank = int(os.environ["RANK"])  # global: 0 .. world_size - 1 over all machines; rank 0 prints and saves
-    local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its machine: it picks the GPU
-    world_size = int(os.environ["WORLD_SIZE"])  # processes over all machines
-    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
-    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))  # cuda:<local_rank>, or the CPU
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
-    signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.set())  # before the first epoch
-    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # env:// reads MASTER_ADDR and MASTER_PORT, which torchrun also set. A peer that does not come within --timeout
-    # (here, and in every collective later) is an error, never a hang.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
-    try:
-        train(cfg, ctx)
-    finally:
-        dist.destroy_process_group()  # leave, after an error too: the others stop at once (gloo) or at --timeout (NCCL)
 
 
 if __name__ == "__main__":

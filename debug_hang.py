@@ -54,13 +54,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from common.checkpoint import prepare_output, save_weights
 from common.config import build_parser, parse_config
-from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist, make_loader
+from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
 from common.engine import evaluate, train_one_epoch
-from common.errors import UsageError, run_main
+from common.errors import UsageError, name_rank_in_errors, run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
 from common.ranks import DistContext, all_reduce_sum, check_global_batch, meet_the_group, print0, rank_device
@@ -194,8 +194,8 @@ def train(cfg, bug, fix, ctx, output, watch):
         train_sampler = StrideSampler(train_set, ctx.rank, ctx.world_size, cfg.seed)  # BUG: no padding
     else:
         train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg.batch_size // ctx.world_size, train_sampler)
-    test_loader = make_loader(test_set, 1000, ShardSampler(test_set, ctx.rank, ctx.world_size))
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // ctx.world_size, sampler=train_sampler)
+    test_loader = DataLoader(test_set, batch_size=1000, sampler=ShardSampler(test_set, ctx.rank, ctx.world_size))
     print(f"[rank {ctx.rank}] {len(train_sampler)} training images, {len(train_loader)} batches\n", end="", flush=True)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
@@ -354,6 +354,7 @@ def main():
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    name_rank_in_errors(rank, world_size)
     check_global_batch(cfg.batch_size, world_size)
     if cfg.accum_steps != 1 or cfg.precision != "fp32" or cfg.compile:  # each case is about one collective
         raise UsageError("debug_hang.py's cases train in fp32, eagerly, one batch per step: leave out --accum-steps, "

@@ -1,248 +1,152 @@
 """Chapter 7: the same model sharded with FSDP2 (`fully_shard`): each rank holds a slice of every weight.
 
-    torchrun --standalone --nproc-per-node 2 fsdp.py                 # one machine, 2 processes
-    torchrun --standalone --nproc-per-node gpu fsdp.py               # one process per visible GPU
-    # two machines, 4 GPUs each; run on both, with --node-rank 0 on the master (10.0.0.1):
-    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 fsdp.py
-    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 fsdp.py
-    # a sharded snapshot (a folder, one file per rank); it resumes on any number of ranks:
-    torchrun --standalone --nproc-per-node 2 fsdp.py --snapshot runs/snap-fsdp
+    torchrun --standalone --nproc-per-node 2 fsdp.py      # one machine, 2 processes (GPUs, or the CPU)
+    torchrun --standalone --nproc-per-node gpu fsdp.py    # one process per visible GPU
 
-Started like chapter 3 (`diff ddp_launch.py fsdp.py` is the lesson). Where DDP keeps a whole copy of the model
-on every rank and all-reduces the gradients, FSDP2 keeps 1/world_size of every weight on each rank, all-gathers a
-layer's weights just before it runs, frees them after, and reduce-scatters the gradients so each rank gets the
-averaged gradient of its own slice only.
+Started like chapter 3 (`diff ddp_launch.py fsdp.py` is the lesson); sharded snapshots (--snapshot DIR): docs/fsdp.md.
 """
 import math
 import os
-import re
-import shutil
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
-from common.checkpoint import TRAJECTORY_FLAGS, atomic_save, check_resumable, prepare_output
-from common.config import parse_config
-from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist, make_loader
+from common.checkpoint import (SHARDED_FIX, StopAtTimeLimit, atomic_save, find_sharded_snapshot,
+                               finish_sharded_snapshot, prepare_output, print_resumed, sharded_snapshot_due,
+                               sharded_snapshot_errors)
+from common.config import check_fsdp_flags, parse_config
+from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
 from common.engine import evaluate, train_one_epoch
-from common.errors import FatalError, UsageError, run_main
+from common.errors import name_rank_in_errors, run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import DistContext, all_reduce_sum, check_global_batch, meet_the_group, print0, rank_device
+from common.ranks import (DistContext, check_global_batch, check_torchrun_worker, meet_the_group, print0,
+                          print_parameter_bytes, rank_device)
 
-SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v1"
+
+@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+def main():
+    cfg = parse_config(description=__doc__)
+    check_torchrun_worker("fsdp.py")  # started by torchrun; --max-restarts with a fresh store each time
+    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    name_rank_in_errors(rank, world_size)
+    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
+    check_fsdp_flags(cfg, world_size)  # no fp16; a test image for every rank; a torch whose FSDP2 runs here
+    # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
+    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+    try:
+        train(cfg, ctx)  # steps 4 to 7, below
+    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
+        dist.destroy_process_group()
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    meet_the_group(cfg, ctx)  # each rank's line; one line if they disagree on flags or share a GPU
+    torch.set_num_threads(meet_the_group(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
     output = prepare_output(cfg.output)
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 
-    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must, ...
+    # Step 4, data: chapter 1's shuffle, every world_size-th image to each rank (their k-th batches together are
+    # chapter 1's k-th batch); each rank tests a disjoint shard.
+    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
         locate_fashion_mnist(cfg.data_dir)
-    dist.barrier()  # ... while the machine's other ranks wait here; then every rank reads it
+    dist.barrier()  # ... while the others wait here
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
-    # Each rank takes every world_size-th image of chapter 1's shuffle, batch_size / world_size at a time, so
-    # the ranks' k-th batches together are chapter 1's k-th batch. Each rank tests a disjoint shard.
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg.batch_size // (ctx.world_size * cfg.accum_steps), train_sampler)
-    # Every forward() all-gathers weights, a collective: all ranks must run as many test batches. The shards
-    # differ by one image at most, so batches sized from the largest shard come out the same number everywhere.
-    largest = math.ceil(len(test_set) / ctx.world_size)  # rank 0's shard
-    test_batch = math.ceil(largest / math.ceil(largest / 1000))  # at most 1000
-    test_loader = make_loader(test_set, test_batch, ShardSampler(test_set, ctx.rank, ctx.world_size))
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
+                              sampler=train_sampler)
+    # Every forward() all-gathers weights, a collective: all ranks must run as many test batches. The shards differ
+    # by one image at most, so batches sized from the largest shard (rank 0's) come out the same number everywhere.
+    largest = math.ceil(len(test_set) / ctx.world_size)
+    test_loader = DataLoader(test_set, batch_size=math.ceil(largest / math.ceil(largest / 1000)),
+                             sampler=ShardSampler(test_set, ctx.rank, ctx.world_size))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
-    # FSDP2: each Linear becomes a unit whose weights are cut along dim 0 into world_size slices (DTensors); its
-    # forward() all-gathers the whole weight just before it runs and frees it after; its backward() reduce-scatters
-    # the gradient, so each rank receives the average over the ranks of its own slice. The root unit comes last.
+    # Step 5, wrap: each Linear a unit whose weights are cut into world_size slices (DTensors), gathered whole just
+    # before its forward() and freed after; its backward() reduce-scatters the gradient. The root unit comes last.
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # the ranks to shard over: all of them
-    fsdp_kwargs = dict(mesh=mesh)  # fp32: gather, compute and reduce in the weights' own dtype
-    if cfg.precision == "bf16":  # gather the weights as bf16 and compute in bf16; average the gradients in fp32;
-        # return float32 outputs, so the test loss and counts are summed unrounded (a bf16 sum near 2,300 moves in
-        # steps of 16). Evaluation computes in bf16 all the same: every forward gathers bf16 weights.
-        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                        output_dtype=torch.float32)
+    # --precision bf16: gather and compute in bf16, average the gradients in fp32, return float32 outputs (docs/fsdp.md)
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(**bf16) if cfg.precision == "bf16" else MixedPrecisionPolicy()
     for layer in model.linear_relu_stack:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, **fsdp_kwargs)
-    fully_shard(model, **fsdp_kwargs)
-    if cfg.compile:  # after fully_shard: Dynamo traces through FSDP2's hooks, the gathers stay where they are
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
-    show_parameter_bytes(model, ctx)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # after fully_shard: it steps this rank's slices
+    print_parameter_bytes(model, ctx)  # the whole model's, and each rank's slices
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    scaler = None  # no fp16 here (check_fsdp_flags)
 
     first_epoch = load_sharded_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot folder holds
     metrics = MetricsLog(output, ctx, first_epoch)
+    # Step 6, epochs: each draws its own shuffle from seed + epoch.
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
-        train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch (without it, every epoch is epoch 0's)
-        train_one_epoch(model, train_loader, optimizer, None, epoch, cfg, ctx, metrics)  # None: no GradScaler
+        train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
+        # FSDP2 acts inside: forward() gathers; backward() reduce-scatters unless sync is off (--accum-steps)
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        if time_limit.reached(epoch + 1, cfg, ctx):
+            return
     print0(ctx, "Done!")
 
-    # No rank has the whole model: every rank sends its slices and rank 0 gets a plain state_dict on the CPU (the
-    # others get {}), the same file chapter 1 writes.
+    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter). No rank has
+    # them whole: every rank sends its slices, and rank 0 gets the full state_dict on the CPU (the others get {}).
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ctx.is_main:
         atomic_save(full, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
 
 
-def show_parameter_bytes(model, ctx):
-    """One line from rank 0: the whole model's parameter bytes, and the bytes of the slices each rank holds."""
-    mine = sum(p.to_local().numel() * p.element_size() for p in model.parameters())  # p is a DTensor
-    full = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel() is the whole
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    per_rank = (", ".join(f"rank {r} {b:,}" for r, b in enumerate(everyone)) if ctx.world_size <= 8
-                else f"{min(everyone):,} to {max(everyone):,} per rank")
-    print0(ctx, f"Parameter bytes: {full:,} in the whole model; held: {per_rank}")
-
-
-def _snapshot_failure(error):
-    """The first line of the first rank's error inside torch.distributed.checkpoint's CheckpointException."""
-    failures = getattr(error, "failures", None) or {}
-    first = next(iter(failures.values()), (error, None))[0]
-    sentence = re.split(r"(?<=\.)\s|;\s", str(first).strip())[0]  # torch's messages run on for several sentences
-    return f"{type(first).__name__}: {sentence}" if sentence else type(first).__name__
-
-
 def save_sharded_snapshot(model, optimizer, epochs_done, cfg, ctx):
-    """With --snapshot DIR, every --save-every epochs and after the last: DIR/epoch-N, every rank writing its slices.
-
-    The snapshot counts once rank 0 has written DIR/epoch-N/snapshot.pt (after all the slices); then the older
-    epoch-* folders go. A run killed mid-save leaves the previous snapshot to resume from.
-    """
-    if not cfg.snapshot or (epochs_done % cfg.save_every and epochs_done != cfg.epochs):
+    """With --snapshot DIR, every --save-every epochs and after the last: DIR/epoch-N, every rank writing its slices."""
+    folder = sharded_snapshot_due(epochs_done, cfg)
+    if folder is None:
         return
-    folder = Path(cfg.snapshot) / f"epoch-{epochs_done}"
-    # This rank's slices (DTensors) of the weights and of the optimizer's state, under the plain model's names.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    try:
-        # Every rank writes its own file; rank 0 then writes .metadata, the map of which slice lies where.
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-    except CheckpointException as e:  # raised on every rank when any rank failed
-        raise FatalError(f"cannot write the snapshot {folder} ({_snapshot_failure(e)}); free some space or pass "
-                         f"another --snapshot") from None
-    error = None
-    if ctx.is_main:
-        about = dict(format=SHARDED_FORMAT, epochs_done=epochs_done, world_size=ctx.world_size,
-                     config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS})
-        try:
-            atomic_save(about, folder / "snapshot.pt")
-            for old in Path(cfg.snapshot).glob("epoch-*"):
-                if old != folder:
-                    shutil.rmtree(old)
-        except (FatalError, OSError) as e:
-            error = e
-    (written,) = all_reduce_sum([error is None], ctx)
-    if error is not None:
-        raise error if isinstance(error, FatalError) else FatalError(f"cannot remove an old snapshot: {error}")
-    if written < ctx.world_size:
-        raise FatalError(f"rank 0 could not finish the snapshot {folder} (see its error)")
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices, under the plain names
+    with sharded_snapshot_errors(f"cannot write the snapshot {folder}", "free some space or pass another --snapshot"):
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)  # rank 0 adds .metadata
+    finish_sharded_snapshot(folder, epochs_done, cfg, ctx)  # rank 0's snapshot.pt makes it count; older ones go
 
 
 def load_sharded_snapshot(model, optimizer, cfg, ctx):
     """With --snapshot DIR holding a finished epoch-N: load it into model and optimizer at any world size; else 0."""
-    if not cfg.snapshot:
+    found = find_sharded_snapshot(cfg)  # (folder, epochs done, ranks that saved it), checked against the flags
+    if found is None:
         return 0
-    root = Path(cfg.snapshot)
-    fix = "delete it to start afresh, or pass another --snapshot"
-    if root.exists() and not root.is_dir():
-        raise FatalError(f"--snapshot {root} is a file; fsdp.py's snapshots are folders (one file per rank, written "
-                         f"by torch.distributed.checkpoint): pass a folder name, e.g. --snapshot runs/snap-fsdp")
-    prepare_output(root, "--snapshot")  # fail now, not after the first epoch
-    finished = sorted((p.parent for p in root.glob("epoch-*/snapshot.pt")), key=_epoch_number)
-    if not finished:
-        return 0
-    folder = finished[-1]
-    try:
-        about = torch.load(folder / "snapshot.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # cut off, not a torch file, a pickle weights_only refuses
-        raise FatalError(f"snapshot {folder} cannot be read ({type(e).__name__} in snapshot.pt): {fix}") from None
-    if not isinstance(about, dict) or about.get("format") != SHARDED_FORMAT:
-        raise FatalError(f"{folder} is not a sharded snapshot of this tutorial; {fix}")
-    epochs_done = about["epochs_done"]
-    check_resumable(about["config"], epochs_done, cfg, folder, fix)  # the same flags, not ahead of --epochs
-    # Ask for this rank's slices at this world size; dcp.load reads from every saved file the pieces they need,
-    # however many ranks wrote them. set_state_dict then puts them into the model and the optimizer.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    folder, epochs_done, saved_by = found
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's slices at this world size
     state = {"model": model_state, "optimizer": optimizer_state}
-    try:
-        dcp.load(state, checkpoint_id=folder)
-    except CheckpointException as e:
-        raise FatalError(f"snapshot {folder} cannot be read ({_snapshot_failure(e)}): {fix}") from None
+    with sharded_snapshot_errors(f"snapshot {folder} cannot be read", SHARDED_FIX):
+        dcp.load(state, checkpoint_id=folder)  # the pieces they need, from every file, however many ranks wrote them
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    left = f"continuing with epoch {epochs_done + 1}" if epochs_done < cfg.epochs else "nothing left to train"
-    print0(ctx, f"Resuming from {folder} (saved by {about['world_size']} ranks, loaded by {ctx.world_size}): "
-                f"{epochs_done} of {cfg.epochs} epochs done, {left}")
+    print_resumed(ctx, f"{folder} (saved by {saved_by} ranks, loaded by {ctx.world_size})", epochs_done, cfg)
     return epochs_done
-
-
-def _epoch_number(folder):
-    """N of an epoch-N folder (-1 for a name that has no number)."""
-    number = folder.name.removeprefix("epoch-")
-    return int(number) if number.isdigit() else -1
-
-
-@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
-def main():
-    cfg = parse_config(description=__doc__)
-    if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
-        raise UsageError("fsdp.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
-                         "gradient slices for overflow, which this chapter does not have: use --precision bf16")
-    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
-        raise UsageError("RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
-                         "`torchrun --standalone --nproc-per-node 2 fsdp.py`")
-    # torchrun --max-restarts starts a new group after a failure. Sharing torchrun's own key-value store (its
-    # default) the new workers would meet among the dead ones' keys and could dial their addresses (on torch 2.14
-    # the store keeps every attempt's keys), and on several nodes they need not agree which attempt they are in.
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes rank 0 open a fresh store for every attempt instead.
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        raise UsageError("torchrun --max-restarts needs a fresh store per restart: run it as "
-                         "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...` with a c10d rendezvous (--standalone, "
-                         "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
-    rank = int(os.environ["RANK"])  # global: 0 .. world_size - 1 over all machines; rank 0 prints and saves
-    local_rank = int(os.environ["LOCAL_RANK"])  # this process's index on its machine: it picks the GPU
-    world_size = int(os.environ["WORLD_SIZE"])  # processes over all machines
-    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
-    if cfg.test_samples is not None and cfg.test_samples < world_size:  # a rank with no test image would skip forward()
-        raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {world_size} ranks: under FSDP every rank "
-                         f"must run every test batch (forward() gathers the weights); use at least {world_size}")
-    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))  # cuda:<local_rank>, or the CPU
-    if device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
-        raise UsageError(f"fsdp.py on the CPU needs a torch whose FSDP2 runs on CPU streams (torch.cpu.Stream."
-                         f"record_event; 2.14.1 has it, 2.6.0 does not); this is torch {torch.__version__}: upgrade "
-                         f"torch, or run fsdp.py on GPUs")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init_process_group: NCCL binds this process to its own GPU
-    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # env:// reads MASTER_ADDR and MASTER_PORT, which torchrun also set. A peer that does not come within --timeout
-    # (here, and in every collective later) is an error, never a hang.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
-    try:
-        train(cfg, ctx)
-    finally:
-        dist.destroy_process_group()  # leave, after an error too: the others stop at once (gloo) or at --timeout (NCCL)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
-"""Chapter 1: train the quickstart MLP on FashionMNIST on one device (CUDA if visible, else CPU).
+"""Chapter 1: the quickstart MLP on FashionMNIST, on one device (the GPU if one is visible, else the CPU).
 
     python single_gpu.py                          # 5 epochs, batch 64, lr 1e-3, seed 0
     CUDA_VISIBLE_DEVICES=0 python single_gpu.py   # pick the GPU
-    python single_gpu.py --device cpu --epochs 1 --train-samples 6400
 
-Every later chapter is this file plus the lines its strategy needs: `diff single_gpu.py ddp_mp.py`.
+Every later chapter is this file plus the lines its strategy needs: `diff single_gpu.py ddp_launch.py`.
 """
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.config import parse_config
-from common.data import ShardSampler, load_fashion_mnist, make_loader
+from common.data import ShardSampler, load_fashion_mnist
 from common.engine import evaluate, train_one_epoch
 from common.errors import run_main
 from common.metrics import MetricsLog
@@ -19,22 +18,31 @@ from common.model import NeuralNetwork
 from common.ranks import DistContext, choose_device, print0
 
 
+def main():
+    cfg = parse_config(description=__doc__)
+    # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
+    device = choose_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+    ctx = DistContext(device=device)
+    train(cfg, ctx)
+
+
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device")
     output = prepare_output(cfg.output)
 
+    # Step 4, data: a seeded shuffle, new each epoch, all of it for the one process (DistributedSampler, 1 replica).
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
-    # A seeded shuffle, new each epoch: DistributedSampler with one replica. The DDP chapters give it more
-    # replicas, and the union of their k-th batches is this k-th batch: that is why they train the same model.
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
-    train_loader = make_loader(train_set, cfg.batch_size // cfg.accum_steps, train_sampler)  # --accum-steps: micro-batches
-    test_loader = make_loader(test_set, 1000, ShardSampler(test_set))
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // cfg.accum_steps, sampler=train_sampler)
+    test_loader = DataLoader(test_set, batch_size=1000, sampler=ShardSampler(test_set))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
-    if cfg.compile:  # in place: TorchDynamo captures forward and backward as fused kernels; state_dict() keeps its keys
+    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
@@ -43,24 +51,18 @@ def train(cfg, ctx):
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
     metrics = MetricsLog(output, ctx, first_epoch)
+    # Step 6, epochs: each draws its own shuffle from seed + epoch.
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
-        train_sampler.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
+        train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
     print0(ctx, "Done!")
 
+    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
     save_weights(model, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
-
-
-def main():
-    cfg = parse_config(description=__doc__)
-    device = choose_device(cfg.device)  # --device, else the GPU if one is visible, else the CPU
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    train(cfg, DistContext(device=device))
 
 
 if __name__ == "__main__":

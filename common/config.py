@@ -8,6 +8,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from common.errors import UsageError
+
 
 @dataclass
 class Config:
@@ -182,3 +184,19 @@ def parse_config(argv=None, description=None, chapter_flags=()):
     if cfg.output is None:
         cfg.output = str(Path("runs") / Path(sys.argv[0]).stem)
     return cfg
+
+
+def check_fsdp_flags(cfg, world_size):
+    """fsdp.py's refusals, each one line and exit 2: fp16, fewer test images than ranks, a torch too old for FSDP2 on
+    the CPU."""
+    if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
+        raise UsageError("fsdp.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
+                         "gradient slices for overflow, which this chapter does not have: use --precision bf16")
+    if cfg.test_samples is not None and cfg.test_samples < world_size:  # a rank with no test image would skip forward()
+        raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {world_size} ranks: under FSDP every "
+                         f"rank must run every test batch (forward() gathers the weights); use at least {world_size}")
+    on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
+    if on_cpu and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
+        raise UsageError(f"fsdp.py on the CPU needs a torch whose FSDP2 runs on CPU streams (torch.cpu.Stream."
+                         f"record_event; 2.14.1 has it, 2.6.0 does not); this is torch {torch.__version__}: upgrade "
+                         f"torch, or run fsdp.py on GPUs")

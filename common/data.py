@@ -1,4 +1,4 @@
-"""FashionMNIST without internet: find the IDX files, decode them once into tensors, serve whole batches by index."""
+"""FashionMNIST without internet: find the IDX files, decode them once into tensors, serve them to a DataLoader."""
 import gzip
 import math
 import os
@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from common.errors import FatalError
 
@@ -110,7 +110,13 @@ def locate_fashion_mnist(data_dir=None):
 
 
 class TensorImages(Dataset):
-    """Images as uint8 (N, 1, 28, 28) and labels as int64, on the training device; a list of indices gives a batch."""
+    """Images as float32 in [0, 1] (N, 1, 28, 28) and labels as int64, already on the training device.
+
+    An item is one (image, label) pair, as torchvision's datasets give it, so the chapters' plain
+    `DataLoader(dataset, batch_size=..., sampler=...)` works on it as on any Dataset. ToTensor's scaling is done
+    once, when the split is loaded: an item is then two views, and the loader's collate stacks a batch of them
+    (about 0.3 s an epoch of 60,000 on one CPU core; uint8 scaled per item took 1.0 to 1.5 s).
+    """
 
     def __init__(self, images, labels):
         if len(images) != len(labels):
@@ -121,12 +127,7 @@ class TensorImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index):
-        """A batch for a tensor of indices (or one image): ToTensor's scaling to [0, 1], done per batch (uint8 is 4x smaller)."""
-        index = torch.as_tensor(index, device=self.labels.device)  # a no-op for the loader's index tensors
-        if index.dim() == 0:  # one image
-            return self.images[index].float().div_(255), self.labels[index]
-        # index_select gathers rows ~6x faster than advanced indexing (measured 5 vs 33 us per batch of 64).
-        return self.images.index_select(0, index).float().div_(255), self.labels.index_select(0, index)
+        return self.images[index], self.labels[index]
 
     def head(self, n):
         """The first n items (views, no copy); all of them if n is None."""
@@ -141,7 +142,8 @@ def load_split(folder, split, device):
         raise FatalError(f"{images_path} does not hold 28x28 images; is this FashionMNIST?")
     if len(labels) and int(labels.max()) > 9:
         raise FatalError(f"{labels_path} has labels above 9; is this FashionMNIST?")
-    return TensorImages(images.unsqueeze(1).to(device), labels.long().to(device))
+    # uint8 to the device (4x fewer bytes to move), then ToTensor's scaling to [0, 1] there, once.
+    return TensorImages(images.unsqueeze(1).to(device).float().div_(255), labels.long().to(device))
 
 
 def load_fashion_mnist(cfg, device):
@@ -166,29 +168,3 @@ class ShardSampler(Sampler):
 
     def __len__(self):
         return len(self.indices)
-
-
-class _DeviceBatches(Sampler):
-    """A sampler's order cut into batches of indices that live on the data's device.
-
-    The order goes to the device once per epoch, from pinned memory without waiting; a per-batch index list
-    would be one blocking host-to-device copy, so one host sync, per step on a GPU.
-    """
-
-    def __init__(self, sampler, batch_size, device):
-        self.sampler, self.batch_size, self.device = sampler, batch_size, device
-
-    def __iter__(self):
-        order = torch.tensor(list(self.sampler))
-        if self.device.type == "cuda":
-            order = order.pin_memory().to(self.device, non_blocking=True)
-        return iter(order.split(self.batch_size))
-
-    def __len__(self):
-        return math.ceil(len(self.sampler) / self.batch_size)
-
-
-def make_loader(dataset, batch_size, sampler):
-    """A DataLoader of whole batches: the sampler decides the order, dataset[indices] gathers a batch in one call."""
-    # batch_size=None turns off per-item fetching and collation: each index tensor goes to dataset[...] as it is.
-    return DataLoader(dataset, sampler=_DeviceBatches(sampler, batch_size, dataset.labels.device), batch_size=None)

@@ -98,10 +98,13 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
         images = sum(len(y) for _, y in micro)  # this rank's share of the global batch
         step_loss = torch.zeros((), device=ctx.device)
         for i, (X, y) in enumerate(micro):
+            # DDP / FSDP2: all micro-batches but the last run in no_sync() / with gradient sync off (--accum-steps)
             with gradient_sync(model, i == len(micro) - 1):
                 with autocast(cfg, ctx.device):
                     loss = loss_fn(model(X), y) * (len(y) / images)  # x 1.0 without accumulation: unchanged
-                (scaler.scale(loss) if scaler else loss).backward()  # the last one: DDP averages over the ranks
+                # DDP: this backward() all-reduces the gradients, averaging them over the ranks, bucket by bucket
+                # while it runs (FSDP2: reduce-scatters them); in no_sync() they only add up here.
+                (scaler.scale(loss) if scaler else loss).backward()
             step_loss += loss.detach()
         if scaler:
             scaler.step(optimizer)  # skips the step if fp16 gradients overflowed, then lowers the scale

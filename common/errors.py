@@ -21,13 +21,14 @@ class UsageError(FatalError):
     exit_code = 2
 
 
-_rank = None  # this process's global rank in a multi-process run (DistContext sets it), for the [rank N] prefix
+_rank = None  # this process's global rank in a multi-process run, for the [rank N] prefix (name_rank_in_errors)
 
 
-def this_process_is(rank):
-    """Remember this process's rank, so its error lines start with [rank N]; None in a one-process run."""
+def name_rank_in_errors(rank, world_size):
+    """From now on this process's error lines start with [rank N], where there are several ranks (every DDP chapter
+    calls it once it knows who it is)."""
     global _rank
-    _rank = rank
+    _rank = rank if world_size > 1 else None
 
 
 def _seconds(ms):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import flag_text
-from common.errors import NO_RANK0, FatalError, UsageError, this_process_is
+from common.errors import NO_RANK0, FatalError, UsageError
 
 
 @dataclass(frozen=True)
@@ -21,9 +21,6 @@ class DistContext:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
-
-    def __post_init__(self):
-        this_process_is(self.rank if self.world_size > 1 else None)  # error lines say which rank failed
 
     @property
     def is_main(self):
@@ -70,6 +67,23 @@ def default_nprocs(requested=None):
     if requested != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
     return 2
+
+
+def check_torchrun_worker(script):
+    """One line unless this process is a torchrun worker whose restarts (--max-restarts) each get a fresh store.
+
+    torchrun --max-restarts starts a new group after a failure. Sharing torchrun's own key-value store (its
+    default) the new workers would meet among the dead ones' keys and could dial their addresses (on torch 2.14
+    the store keeps every attempt's keys), and on several nodes they need not agree which attempt they are in.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes rank 0 open a fresh store for every attempt instead.
+    """
+    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
+        raise UsageError(f"RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
+                         f"`torchrun --standalone --nproc-per-node 2 {script}`")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise UsageError("torchrun --max-restarts needs a fresh store per restart: run it as "
+                         "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...` with a c10d rendezvous (--standalone, "
+                         "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
 
 
 def free_port(host="127.0.0.1"):
@@ -133,11 +147,12 @@ SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_s
 
 
 def meet_the_group(cfg, ctx):
-    """Every rank, once the group is up: one all_gather of (host name, flags), then this rank's one line.
+    """Every rank, once the group is up: one all_gather of (host name, flags), then this rank's one line; returns
+    the CPU threads this rank should use (the chapter sets them).
 
-    Ranks started with different flags are refused in one line. (Two NCCL ranks on one GPU fail right here too:
-    NCCL refuses them when this first collective builds its communicator.) On the CPU the ranks of one machine split
-    its cores (more threads than cores makes every rank slower), unless OMP_NUM_THREADS says otherwise.
+    Ranks started with different flags are refused in one line. On the CPU the ranks of one machine split its cores
+    (more threads than cores makes every rank slower), unless OMP_NUM_THREADS says otherwise; on a GPU, and with
+    OMP_NUM_THREADS, the threads stay as they are.
     """
     flags = {name: getattr(cfg, name) for name in SAME_ON_EVERY_RANK} | {"snapshot": cfg.snapshot is not None}
     host = socket.gethostname()
@@ -149,12 +164,13 @@ def meet_the_group(cfg, ctx):
             theirs, mine = (" ".join(flag_text(n, f[n]) for n in differ) for f in (their_flags, flags))
             raise FatalError(f"rank {rank} was started with {theirs}, rank {ctx.rank} with {mine}: start every rank "
                              f"with the same flags (--data-dir, --output and --device may differ)")
+    threads = torch.get_num_threads()
     if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(cpu_threads(sum(other == host for other, _ in everyone)))
+        threads = cpu_threads(sum(other == host for other, _ in everyone))
     # One write per line (newline included), so the ranks' lines do not interleave in a shared log file.
     print(f"[rank {ctx.rank}] host={host} local_rank={ctx.local_rank} device={ctx.device} "
-          f"backend={dist.get_backend()} world_size={ctx.world_size} threads={torch.get_num_threads()}\n",
-          end="", flush=True)
+          f"backend={dist.get_backend()} world_size={ctx.world_size} threads={threads}\n", end="", flush=True)
+    return threads
 
 
 def print0(ctx, *args, **kwargs):
@@ -172,3 +188,15 @@ def all_reduce_sum(values, ctx):
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
     dist.all_reduce(t)
     return t.tolist()
+
+
+def print_parameter_bytes(model, ctx):
+    """One line from rank 0 (every rank takes part): the whole model's parameter bytes, and the bytes of the slices
+    each rank holds (FSDP2: every parameter is a DTensor, of which a rank holds its slice, to_local())."""
+    mine = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    full = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel() is the whole
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    per_rank = (", ".join(f"rank {r} {b:,}" for r, b in enumerate(everyone)) if ctx.world_size <= 8
+                else f"{min(everyone):,} to {max(everyone):,} per rank")
+    print0(ctx, f"Parameter bytes: {full:,} in the whole model; held: {per_rank}")

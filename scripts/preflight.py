@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/, when run as scripts/preflight.py
 
 from common.config import parse_config  # noqa: E402
-from common.errors import FatalError, explain, one_line_errors, run_main  # noqa: E402
+from common.errors import FatalError, explain, name_rank_in_errors, one_line_errors, run_main  # noqa: E402
 from common.ranks import DistContext, check_rendezvous, default_nprocs, free_port, rank_device  # noqa: E402
 
 # Buffer sizes swept as nccl-tests sweeps them (x4 a step): from latency-bound to bandwidth-bound. On GPUs up to 256
@@ -144,6 +144,7 @@ def preflight(ctx, backend, everyone):
 
 def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
     """Join the group as the job would (same backend, rendezvous and --timeout), run the checks, leave."""
+    name_rank_in_errors(rank, world_size)
     device = rank_device(cfg.device, local_rank, ranks_here)
     if device.type == "cuda":
         torch.cuda.set_device(device)

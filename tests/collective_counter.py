@@ -18,11 +18,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import Config  # noqa: E402
-from common.data import TensorImages, make_loader  # noqa: E402
+from common.data import TensorImages  # noqa: E402
 from common.engine import steps_per_epoch, train_one_epoch  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.metrics import MetricsLog  # noqa: E402
@@ -56,7 +56,7 @@ def main():
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size())
     g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (192, 1, 28, 28), dtype=torch.uint8, generator=g)
+    images = torch.rand(192, 1, 28, 28, generator=g)
     data = TensorImages(images, torch.randint(0, 10, (192,), generator=g))
     counts = []
     reduce_scatter = dist.reduce_scatter_single
@@ -71,7 +71,7 @@ def main():
             for k in (1, 2, 4):
                 cfg = Config(batch_size=32, accum_steps=k, log_every=1000)
                 sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
-                loader = make_loader(data, cfg.batch_size // (ctx.world_size * k), sampler)
+                loader = DataLoader(data, batch_size=cfg.batch_size // (ctx.world_size * k), sampler=sampler)
                 torch.manual_seed(0)
                 counts.clear()
                 model = wrap(counts)

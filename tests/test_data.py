@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from common import data
 from common.errors import FatalError
@@ -25,7 +25,7 @@ def test_load_from_data_dir(tmp_path, layout, gz):
     test_set = data.load_split(tmp_path, "test", torch.device("cpu"))
     images, labels = written["test"]
     assert len(test_set) == SPLIT_SIZES["test"]
-    assert torch.equal(test_set.images.squeeze(1), images) and torch.equal(test_set.labels, labels.long())
+    assert torch.equal(test_set.images.squeeze(1), images.float() / 255) and torch.equal(test_set.labels, labels.long())
 
 
 def test_system_copy_is_used_when_no_data_dir(tmp_path, monkeypatch):
@@ -94,13 +94,14 @@ def test_batches_match_torchvision_totensor(fake_data):
     from PIL import Image
 
     train = data.load_split(fake_data, "train", torch.device("cpu"))
+    raw = data.read_idx(data._find_split_files(fake_data, "train")[0])  # the uint8 images as the file holds them
     sampler = DistributedSampler(train, num_replicas=1, rank=0, seed=1)
-    loader = data.make_loader(train, 100, sampler)
+    loader = DataLoader(train, batch_size=100, sampler=sampler)  # the chapters' line
     batches = list(loader)
     assert [len(y) for _, y in batches] == [100, 100, 56] and len(loader) == 3  # the last partial batch is kept
     x, y = batches[0]
     first = next(iter(sampler))
-    reference = to_tensor(Image.fromarray(train.images[first, 0].numpy()))
+    reference = to_tensor(Image.fromarray(raw[first].numpy()))
     assert x.dtype == torch.float32 and x.shape == (100, 1, 28, 28)
     assert torch.equal(x[0], reference) and y[0] == train.labels[first]
 
@@ -127,10 +128,10 @@ def test_shard_sampler_covers_each_item_once(n, world):
 
 
 def test_loader_batches_follow_the_sampler_and_its_epoch(fake_data):
-    """make_loader serves exactly the sampler's order, as index tensors on the data's device, anew per epoch."""
+    """The chapters' DataLoader serves exactly the sampler's order, anew per epoch."""
     train = data.load_split(fake_data, "train", torch.device("cpu"))
     sampler = DistributedSampler(train, num_replicas=2, rank=1, seed=5)
-    loader = data.make_loader(train, 16, sampler)
+    loader = DataLoader(train, batch_size=16, sampler=sampler)
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         order = list(sampler)

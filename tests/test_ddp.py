@@ -141,25 +141,51 @@ def test_leftover_rendezvous_file_is_refused(tmp_path, procs):
     one_error_line(err, "left over", str(stale))
 
 
-@pytest.mark.parametrize("script", DDP_CHAPTERS)
-def test_each_ddp_chapter_shows_its_own_distributed_lines(script):
-    """The lesson is in the chapter: it calls torch's own pieces itself, in the order a reader follows them."""
+# The steps of a DDP chapter, each marked by the same comment in every chapter (`grep -n "# Step" ddp_*.py`), and
+# the calls that make each step, in the order a reader meets them going down the file.
+STEPS = [("who am I", []), ("device", ["set_device("]), ("init", ["init_process_group("]),
+         ("teardown", ["dist.destroy_process_group()"]),  # in main()'s finally, around the call of train()
+         ("data", ["locate_fashion_mnist(", "dist.barrier()", "DistributedSampler(", "DataLoader(train_set"]),
+         ("wrap", []), ("epochs", ["set_epoch(", "train_one_epoch("]), ("save", ["if ctx.is_main:"])]
+WRAPS = {"fsdp.py": "fully_shard(model"}
+
+
+def step_markers(source):
+    """(step number, its words) of every `# Step N, words:` comment, in file order."""
+    return [(int(n), words) for n, words in re.findall(r"# Step (\d), ([\w ]+):", source)]
+
+
+@pytest.mark.parametrize("script", [*DDP_CHAPTERS, "fsdp.py"])
+def test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom(script):
+    """The lesson is in the chapter, in reading order: who am I, device, init (with the teardown in the finally around
+    the rest), data (fetched once per machine, a DistributedSampler in a plain DataLoader), wrap, epochs with
+    set_epoch, rank-0 save; each step marked by the same comment, and torch's own calls in that order."""
     source = (REPO / script).read_text()
-    train, setup = source.split("def train(cfg, ctx):")[1].split("\n\n\n")[0], source.split("def train(cfg, ctx):")[1]
-
-    def in_order(text, calls):
-        where = [text.find(call) for call in calls]
-        return -1 not in where and where == sorted(where)
-
-    # Joining: the device first, then the group, the training, and leaving the group even after an error.
-    assert in_order(setup, ["set_device(", "init_process_group(", "train(cfg, ctx)", "finally:",
-                            "dist.destroy_process_group()"]), setup
-    # Training: the sampler, the wrap, a new shuffle each epoch, one copy of the plain model saved by rank 0.
-    assert in_order(train, ["DistributedSampler(", "DDP(", "set_epoch(", "if ctx.is_main:", "save_weights(model.module"])
-    # Where rank, local rank and world size come from is in the file too.
+    markers = step_markers(source)
+    numbers = {"who am I": 1, "device": 2, "init": 3, "data": 4, "wrap": 5, "epochs": 6, "save": 7, "teardown": 8}
+    assert [words for _, words in markers] == [words for words, _ in STEPS], markers
+    assert all(numbers[words] == n for n, words in markers), markers
+    calls = [call for words, step_calls in STEPS for call in
+             [f"# Step {numbers[words]}, {words}:", *step_calls,
+              *([WRAPS.get(script, "model = DDP(model")] if words == "wrap" else [])]]
+    where = [source.find(call) for call in calls]
+    assert -1 not in where and where == sorted(where), list(zip(calls, where))
+    # Where rank, local rank and world size come from, in step 1.
     source_of_ranks = {"ddp_launch.py": 'os.environ["RANK"]', "ddp_mp.py": "def worker(rank,",
-                       "ddp_tcp_manual.py": "cfg.rank", "ddp_slurm.py": 'os.environ["SLURM_PROCID"]'}
-    assert source_of_ranks[script] in setup
+                       "ddp_tcp_manual.py": "cfg.rank", "ddp_slurm.py": 'os.environ["SLURM_PROCID"]',
+                       "fsdp.py": 'os.environ["RANK"]'}
+    assert source.find(source_of_ranks[script]) < source.find("# Step 2, device:")
+    # The teardown is the finally of the try around everything after init, so it runs after an error too.
+    assert re.search(r"^    try:\n        train\(cfg, ctx\).*\n    finally:  # Step 8, teardown:.*\n"
+                     r"        dist\.destroy_process_group\(\)$", source, re.M), script
+
+
+@pytest.mark.parametrize("script", ["single_gpu.py", "dataparallel.py"])
+def test_chapters_1_and_2_mark_the_steps_they_share(script):
+    source = (REPO / script).read_text()
+    expected = [(2, "device"), (4, "data"), *([(5, "wrap")] if script == "dataparallel.py" else []), (6, "epochs"),
+                (7, "save")]
+    assert step_markers(source) == expected
 
 
 def test_no_hand_built_store_on_the_default_path():
@@ -168,12 +194,30 @@ def test_no_hand_built_store_on_the_default_path():
         assert "TCPStore(" not in path.read_text(), path
 
 
-def test_chapter_diff_stays_focused():
-    """`diff single_gpu.py ddp_X.py` is the lesson: the strategy's lines, and not much else."""
-    for script in DDP_CHAPTERS:
-        diff = subprocess.run(["diff", "single_gpu.py", script], cwd=REPO, capture_output=True, text=True).stdout
-        changed = [line for line in diff.splitlines() if line[:2] in ("< ", "> ")]
-        assert len(changed) <= 100, (script, diff)  # chapter 3: 100, with the SIGUSR1 stop job_torchrun.sh needs
+# What a reader reads with the README's diff commands: changed lines (`diff A B`'s < and > lines), each budget a
+# bound on the lesson of that pair. Between DDP chapters the diff may hold the launcher's lines only: where rank,
+# local rank and world size come from, how the processes start, the rendezvous.
+DIFF_BUDGETS = {("single_gpu.py", "ddp_launch.py"): 70, ("ddp_launch.py", "ddp_mp.py"): 45,
+                ("ddp_launch.py", "ddp_tcp_manual.py"): 45, ("ddp_launch.py", "ddp_slurm.py"): 45,
+                ("ddp_launch.py", "fsdp.py"): 90}
+LESSON_CALLS = ("DistributedSampler(", "DataLoader(", "DDP(", "set_epoch(", "train_one_epoch(", "save_weights(",
+                "locate_fashion_mnist(", "barrier(", "StopAtTimeLimit", "time_limit")
+
+
+def changed_lines(a, b):
+    diff = subprocess.run(["diff", a, b], cwd=REPO, capture_output=True, text=True).stdout
+    return [line[2:] for line in diff.splitlines() if line[:2] in ("< ", "> ")]
+
+
+@pytest.mark.parametrize("pair,budget", DIFF_BUDGETS.items(), ids=[f"{a}-{b}" for a, b in DIFF_BUDGETS])
+def test_chapter_diffs_stay_within_their_budget(pair, budget):
+    changed = changed_lines(*pair)
+    assert len(changed) <= budget, (pair, len(changed), changed)
+    if pair[0] == "ddp_launch.py" and pair[1] != "fsdp.py":  # the launcher's lines only
+        assert not [line for line in changed if any(call in line for call in LESSON_CALLS)], changed
+    if pair[1] == "fsdp.py":  # the four calls of torch.distributed.checkpoint are fsdp.py's own lines
+        source = (REPO / "fsdp.py").read_text()
+        assert all(call in source for call in ("get_state_dict(", "dcp.save(", "dcp.load(", "set_state_dict(")), pair
 
 
 def test_ranks_started_with_different_flags_stop_with_one_line(procs):

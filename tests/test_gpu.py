@@ -200,7 +200,8 @@ NO_SYNC = textwrap.dedent("""
     from torch.utils.data import DistributedSampler
     from common import engine
     from common.config import Config
-    from common.data import load_fashion_mnist, make_loader
+    from torch.utils.data import DataLoader
+    from common.data import load_fashion_mnist
     from common.metrics import MetricsLog
     from common.model import NeuralNetwork
     from common.ranks import DistContext
@@ -219,7 +220,7 @@ NO_SYNC = textwrap.dedent("""
     ctx = DistContext(device=torch.device("cuda", 0))
     train_set, _, _ = load_fashion_mnist(cfg, ctx.device)
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
-    loader = make_loader(train_set, cfg.batch_size, sampler)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
     model = NeuralNetwork().to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     metrics = MetricsLog(None, ctx)

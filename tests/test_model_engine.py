@@ -5,10 +5,10 @@ import sys
 import pytest
 import torch
 
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from common.config import Config
-from common.data import ShardSampler, TensorImages, make_loader
+from common.data import ShardSampler, TensorImages
 from common.engine import evaluate, train_one_epoch
 from common.metrics import MetricsLog, read_metrics
 from common.model import NeuralNetwork
@@ -28,7 +28,7 @@ def _learnable_set(n=512, seed=0):
     images = torch.randint(0, 60, (n, 1, 28, 28), generator=g, dtype=torch.uint8)
     for i, k in enumerate(labels.tolist()):
         images[i, 0, 2 * k:2 * k + 3] = 255
-    return TensorImages(images, labels)
+    return TensorImages(images.float() / 255, labels)
 
 
 def test_the_epoch_loop_learns_and_logs(tmp_path, capsys):
@@ -39,7 +39,8 @@ def test_the_epoch_loop_learns_and_logs(tmp_path, capsys):
     torch.manual_seed(0)
     model = NeuralNetwork()
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
-    train_loader, test_loader = make_loader(ds, 32, sampler), make_loader(ds, 100, ShardSampler(ds))
+    train_loader = DataLoader(ds, batch_size=32, sampler=sampler)
+    test_loader = DataLoader(ds, batch_size=100, sampler=ShardSampler(ds))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     metrics = MetricsLog(tmp_path, ctx)
     for epoch in range(cfg.epochs):
@@ -60,8 +61,8 @@ def test_evaluate_is_exact_over_uneven_batches():
     ds = _learnable_set(n=103)
     model = NeuralNetwork()
     ctx = DistContext()
-    acc_a, loss_a = evaluate(model, make_loader(ds, 10, ShardSampler(ds)), 0, ctx, MetricsLog(None, ctx))
-    acc_b, loss_b = evaluate(model, make_loader(ds, 103, ShardSampler(ds)), 0, ctx, MetricsLog(None, ctx))
+    acc_a, loss_a = evaluate(model, DataLoader(ds, batch_size=10, sampler=ShardSampler(ds)), 0, ctx, MetricsLog(None, ctx))
+    acc_b, loss_b = evaluate(model, DataLoader(ds, batch_size=103, sampler=ShardSampler(ds)), 0, ctx, MetricsLog(None, ctx))
     with torch.no_grad():
         logits = model(ds[list(range(103))][0])
     assert acc_a == acc_b == (logits.argmax(1) == ds.labels).sum().item() / 103
@@ -80,8 +81,8 @@ def test_fp16_scaler_skips_an_overflowing_step_then_steps_at_the_lower_scale(cap
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
-    loader = make_loader(ds, 32, sampler)
-    one_step = make_loader(ds.head(32), 32, ShardSampler(ds.head(32)))  # one step of 32 images
+    loader = DataLoader(ds, batch_size=32, sampler=sampler)
+    one_step = DataLoader(ds.head(32), batch_size=32, sampler=ShardSampler(ds.head(32)))  # one step of 32 images
     train_one_epoch(model, one_step, optimizer, scaler, 0, cfg, ctx, MetricsLog(None, ctx))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # skipped: inf in the gradients
     assert scaler.get_scale() == 2.0 ** 39
