@@ -36,6 +36,7 @@ from common.ranks import (DistContext, check_global_batch, check_torchrun_worker
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
 def main():
     cfg = parse_config(description=__doc__)
+    check_fsdp_flags(cfg)  # no fp16; a test image for every rank; a torch whose FSDP2 runs here
     check_torchrun_worker("fsdp.py")  # started by torchrun; --max-restarts with a fresh store each time
     # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
@@ -43,7 +44,6 @@ def main():
     world_size = int(os.environ["WORLD_SIZE"])
     name_rank_in_errors(rank, world_size)
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
-    check_fsdp_flags(cfg, world_size)  # no fp16; a test image for every rank; a torch whose FSDP2 runs here
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":

@@ -1,5 +1,6 @@
 """The flags every chapter shares: one dataclass of defaults, built by argparse, printed once at start."""
 import argparse
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -186,9 +187,10 @@ def parse_config(argv=None, description=None, chapter_flags=()):
     return cfg
 
 
-def check_fsdp_flags(cfg, world_size):
+def check_fsdp_flags(cfg):
     """fsdp.py's refusals, each one line and exit 2: fp16, fewer test images than ranks, a torch too old for FSDP2 on
-    the CPU."""
+    the CPU. First of all, so `python fsdp.py --precision fp16` says what is wrong with the flag."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
         raise UsageError("fsdp.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
                          "gradient slices for overflow, which this chapter does not have: use --precision bf16")

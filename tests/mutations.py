@@ -201,7 +201,7 @@ MUTATIONS = [
         [f"{GPU_PATH}::test_chapter_8_lets_the_nccl_watchdog_write_the_flight_record"],
         ("debug_hang.py", '        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")\n', "")),
     bug("a-step-that-died-of-138-waited-for", "batch scripts: a step that ended 138 ends the job with 138",
-        ["tests/test_slurm_env.py::test_a_step_that_ends_with_138_ends_the_job_with_its_status[job.sh-sleep 30]"],
+        ["tests/test_slurm_env.py::test_a_step_that_ends_with_138_ends_the_job_with_its_status[job.sh-exec sleep 30]"],
         ("scripts/job.sh", 'while [ "$status" = 138 ] && kill -0 "$step" 2>/dev/null; do',
          'while [ -n "$warned" ] && [ "$status" = 138 ]; do')),
     bug("torchrun-needs-coreutils-8.31", "batch scripts: torchrun ignores SIGUSR1 on any cluster's coreutils",

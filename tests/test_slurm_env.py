@@ -141,7 +141,7 @@ def _wait_for(path, proc, seconds=20):
 
 
 @pytest.mark.parametrize("script,task", [
-    ("job.sh", "sleep 30"),  # a task without a handler: SIGUSR1's default action ends it, status 138
+    ("job.sh", "exec sleep 30"),  # a task without a handler: SIGUSR1's default action ends it, status 138
     ("job_torchrun.sh", "sleep 2; exit 138"),  # torchrun ignores the signal; here the step ends 138 all the same
 ])
 def test_a_step_that_ends_with_138_ends_the_job_with_its_status(script, task, tmp_path):
