@@ -153,6 +153,7 @@ def per_class_accuracy(model, loader, ctx, fix):
     right = torch.zeros(0, device=ctx.device)
     labels, hits = [], []
     for X, y in loader:
+        X, y = X.to(ctx.device), y.to(ctx.device)
         labels.append(y)
         hits.append((model(X).argmax(1) == y).float())
     y, hit = torch.cat(labels), torch.cat(hits)

@@ -92,12 +92,13 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
     batches = iter(loader)
     step = -1
     # Until the loader is exhausted (a loader that wraps its batches in a context, as torch's Join does, closes it
-    # only then): each step takes its --accum-steps micro-batches, already on the device.
+    # only then): each step takes its --accum-steps micro-batches.
     while micro := list(itertools.islice(batches, cfg.accum_steps)):
         step += 1
         images = sum(len(y) for _, y in micro)  # this rank's share of the global batch
         step_loss = torch.zeros((), device=ctx.device)
         for i, (X, y) in enumerate(micro):
+            X, y = X.to(ctx.device), y.to(ctx.device)  # images: there already (a no-op); labels: from the CPU
             # DDP / FSDP2: all micro-batches but the last run in no_sync() / with gradient sync off (--accum-steps)
             with gradient_sync(model, i == len(micro) - 1):
                 with autocast(cfg, ctx.device):
@@ -157,6 +158,7 @@ def evaluate(model, loader, epoch, ctx, metrics):
     correct = torch.zeros((), dtype=torch.long, device=ctx.device)
     seen = 0
     for X, y in loader:
+        X, y = X.to(ctx.device), y.to(ctx.device)
         pred = model(X)
         loss_sum += nn.functional.cross_entropy(pred, y, reduction="sum")
         correct += (pred.argmax(1) == y).sum()
