@@ -148,11 +148,22 @@ def test_a_step_that_ends_with_138_ends_the_job_with_its_status(script, task, tm
     """The warning reaches the batch script, which passes it on; the step then ends with status 138 (128 + SIGUSR1).
     The script must end with that status, not wait again for a step that is gone (which gives 127)."""
     import signal
+    import subprocess
+    import time
 
     proc, started = _batch_script(tmp_path, script, task)
     _wait_for(started, proc)
-    proc.send_signal(signal.SIGUSR1)
-    out, err = proc.communicate(timeout=30)
+    # The step has started, but the script may not have its pid yet (`step=$!` comes after the fork, and a warning
+    # before it is remembered, not passed on): warn again every half second until the script has passed one on and
+    # ended. It must end with the step's 138 all the same.
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGUSR1)
+        try:
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    out, err = proc.communicate(timeout=5)
     assert proc.returncode == 138, (out, err)
     assert "requeueing" not in out
 
