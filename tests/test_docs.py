@@ -36,7 +36,6 @@ NOT_RUN_HERE = [
     (r"10\.0\.0\.1|/shared/", "needs two machines: tests/test_multinode.py runs these on two network namespaces"),
     (r"(^|\s)(sbatch|sinfo|squeue|scontrol)(\s|$)|^cat fmnist-", "needs a SLURM cluster: tests/test_slurm.py submits "
                                                            "job.sh and job_torchrun.sh with the CPU overrides"),
-    (r"^echo \$\?$", "prints the previous command's status, which is checked directly"),
 ]
 SLICE = "--train-samples 960 --test-samples 500"
 # A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).
@@ -68,8 +67,6 @@ def doc_commands(name):
                         break
                     output.append(later)
                 status = re.findall(r"^\[exit status (\d+)\]$", "\n".join(output), re.M)
-                if not status and i + 2 < len(lines) and lines[i + 2] == "$ echo $?":  # `$ cmd`, its line, `$ echo $?`
-                    status = [lines[i + 3]] if i + 3 < len(lines) and lines[i + 3].isdigit() else []
                 found.append((line[2:], int(status[-1]) if status else None))
     return found
 
