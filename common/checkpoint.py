@@ -224,7 +224,7 @@ def find_sharded_snapshot(cfg):
         return None
     root = Path(cfg.snapshot)
     if root.exists() and not root.is_dir():
-        raise FatalError(f"--snapshot {root} is a file; fsdp.py's snapshots are folders (one file per rank, written "
+        raise FatalError(f"--snapshot {root} is a file; sharded snapshots are folders (one file per rank, written "
                          f"by torch.distributed.checkpoint): pass a folder name, e.g. --snapshot runs/snap-fsdp")
     prepare_output(root, "--snapshot")  # fail now, not after the first epoch
     finished = sorted((p.parent for p in root.glob("epoch-*/snapshot.pt")), key=_epoch_number)

@@ -39,6 +39,7 @@ class Config:
     rank: Optional[int] = None  # ddp_tcp_manual.py: this process's global rank
     world_size: Optional[int] = None  # ddp_tcp_manual.py: total number of processes
     local_rank: Optional[int] = None  # ddp_tcp_manual.py: this process's index on its machine (picks the GPU)
+    dp: Optional[int] = None  # tensor_parallel.py: data-parallel groups; the world size / dp ranks of each split the layers
 
     def describe(self):
         """One line with every setting the chapter uses, for the top of the log."""
@@ -104,6 +105,8 @@ CHAPTER_FLAGS = {
     "rank": dict(type=_non_negative_int, help="this process's global rank, 0 .. world size - 1"),
     "world_size": dict(type=_positive_int, help="total number of processes over all machines"),
     "local_rank": dict(type=_non_negative_int, help="this process's index on its machine; picks cuda:N (default 0)"),
+    "dp": dict(type=_positive_int, default=1, help="data-parallel groups (default 1); each group's world size / dp "
+               "ranks split every layer (tensor parallel), the groups split the batch (FSDP2)"),
 }
 
 
@@ -187,18 +190,37 @@ def parse_config(argv=None, description=None, chapter_flags=()):
     return cfg
 
 
-def check_fsdp_flags(cfg):
+def check_fsdp_flags(cfg, script="fsdp.py", sharded_over=None):
     """fsdp.py's refusals, each one line and exit 2: fp16, fewer test images than ranks, a torch too old for FSDP2 on
-    the CPU. First of all, so `python fsdp.py --precision fp16` says what is wrong with the flag."""
+    the CPU. First of all, so `python fsdp.py --precision fp16` says what is wrong with the flag. sharded_over: the
+    ranks FSDP2 shards over, when not all of them (tensor_parallel.py's --dp)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = sharded_over or world_size
     if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
-        raise UsageError("fsdp.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
+        raise UsageError(f"{script} trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
                          "gradient slices for overflow, which this chapter does not have: use --precision bf16")
-    if cfg.test_samples is not None and cfg.test_samples < world_size:  # a rank with no test image would skip forward()
-        raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {world_size} ranks: under FSDP every "
-                         f"rank must run every test batch (forward() gathers the weights); use at least {world_size}")
+    if cfg.test_samples is not None and cfg.test_samples < ranks:  # a rank with no test image would skip forward()
+        raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {ranks} ranks: under FSDP every "
+                         f"rank must run every test batch (forward() gathers the weights); use at least {ranks}")
     on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
-    if on_cpu and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
-        raise UsageError(f"fsdp.py on the CPU needs a torch whose FSDP2 runs on CPU streams (torch.cpu.Stream."
+    if on_cpu and ranks > 1 and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
+        raise UsageError(f"{script} on the CPU needs a torch whose FSDP2 runs on CPU streams (torch.cpu.Stream."
                          f"record_event; 2.14.1 has it, 2.6.0 does not); this is torch {torch.__version__}: upgrade "
-                         f"torch, or run fsdp.py on GPUs")
+                         f"torch, or run {script} on GPUs")
+
+
+HIDDEN = 512  # the model's hidden width: tensor parallelism cuts it into equal slices
+
+
+def check_tensor_parallel_flags(cfg):
+    """tensor_parallel.py's refusals, each one line and exit 2: a world size that is not dp x tp with tp dividing the
+    512 hidden units, then chapter 7's (fp16, test images, FSDP2 on the CPU) for the dp dimension."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size % cfg.dp:
+        raise UsageError(f"--dp {cfg.dp} does not divide the {world_size} ranks into equal tensor-parallel groups; "
+                         f"use a --dp that divides {world_size}")
+    tp = world_size // cfg.dp
+    if HIDDEN % tp:
+        raise UsageError(f"{tp} ranks per tensor-parallel group (world size {world_size} / --dp {cfg.dp}) do not "
+                         f"split the {HIDDEN} hidden units evenly; use 1, 2, 4, 8 ... ranks per group")
+    check_fsdp_flags(cfg, "tensor_parallel.py", sharded_over=cfg.dp)

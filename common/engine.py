@@ -117,11 +117,11 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
         seen += images
         if step % cfg.log_every == 0:
             # Every rank joins the reduction; rank 0 prints the loss of the whole global batch.
-            total, count = all_reduce_sum([step_loss * images, images], ctx)
+            total, count = all_reduce_sum([step_loss * images, images], ctx, ctx.data_group)
             print0(ctx, f"loss: {total / count:>7f}  [{step * cfg.batch_size:>5d}/{size:>5d}]")
             metrics.write("train", epoch + 1, step=epoch * steps + step + 1,
                           samples=epoch * size + min((step + 1) * cfg.batch_size, size), loss=round(total / count, 6))
-    total, count = all_reduce_sum([loss_sum, seen], ctx)
+    total, count = all_reduce_sum([loss_sum, seen], ctx, ctx.data_group)
     _sync(ctx.device)
     seconds = time.perf_counter() - start
     print0(ctx, f"Train time: {seconds:.2f}s ({count / seconds:.0f} samples/s), train loss: {total / count:>7f}")
@@ -163,7 +163,7 @@ def evaluate(model, loader, epoch, ctx, metrics):
         loss_sum += nn.functional.cross_entropy(pred, y, reduction="sum")
         correct += (pred.argmax(1) == y).sum()
         seen += len(y)
-    total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, seen], ctx)
+    total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, seen], ctx, ctx.data_group)
     accuracy, test_loss = total_correct / total, total_loss / total
     print0(ctx, f"Test Error: \n Accuracy: {100 * accuracy:>0.1f}%, Avg loss: {test_loss:>8f} \n")
     metrics.write("epoch", epoch + 1, test_accuracy=accuracy, test_loss=test_loss)

@@ -21,6 +21,9 @@ class DistContext:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
+    # The ranks whose batches differ, over which losses and test counts are summed: None is all of them. Under tensor
+    # parallelism the ranks of one tp group share each batch, so the sums run over one of them per batch (the dp ranks).
+    data_group: object = None
 
     @property
     def is_main(self):
@@ -180,23 +183,39 @@ def print0(ctx, *args, **kwargs):
         print(sep.join(map(str, args)) + end, end="", flush=True, **kwargs)
 
 
-def all_reduce_sum(values, ctx):
-    """Sum a few numbers over all ranks (every rank must call it); returns them as Python floats."""
+def all_reduce_sum(values, ctx, group=None):
+    """Sum a few numbers over all ranks, or over group (every rank in it must call it); returns Python floats."""
     if ctx.world_size == 1:
         return [float(v) for v in values]
     # float64 holds counts up to 2**53 exactly; the tensor lives where the backend can reach it.
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 
 def print_parameter_bytes(model, ctx):
     """One line from rank 0 (every rank takes part): the whole model's parameter bytes, and the bytes of the slices
-    each rank holds (FSDP2: every parameter is a DTensor, of which a rank holds its slice, to_local())."""
-    mine = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    each rank holds (FSDP2 and tensor parallel: a parameter is a DTensor, of which a rank holds its slice, to_local();
+    a plain parameter is held whole)."""
+    mine = sum(getattr(p, "to_local", lambda: p)().numel() * p.element_size() for p in model.parameters())
     full = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel() is the whole
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     per_rank = (", ".join(f"rank {r} {b:,}" for r, b in enumerate(everyone)) if ctx.world_size <= 8
                 else f"{min(everyone):,} to {max(everyone):,} per rank")
     print0(ctx, f"Parameter bytes: {full:,} in the whole model; held: {per_rank}")
+
+
+def hide_2d_notices():
+    """Two notices torch 2.14 prints on every rank of a 2-D (FSDP2 x tensor parallel) run, hidden: neither asks
+    anything of this model.
+
+    FSDP2 warns that a tp Linear "returned a view tensor", which an in-place op (x += y) would break: no op after
+    these Linears is in place (ReLU(inplace=False)). The save's full state_dict gathers each 2-D weight in two
+    all-gathers, which DTensor calls "suboptimal": once per run, a latency of milliseconds.
+    """
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

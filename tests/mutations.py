@@ -183,6 +183,21 @@ MUTATIONS = [
         ["tests/test_debug_hang.py::test_early_stop_alone_stops_after_epoch_2_on_the_full_data"],
         ("debug_hang.py", "PLATEAU = 0.15", "PLATEAU = 0.01")),
 
+    # --- Chapter 9: tensor parallel, and 2-D with FSDP2 ---
+    bug("tp-plan-swapped", "chapter 9: the first Linear split by its outputs, the second by its inputs",
+        ["tests/test_tensor_parallel.py::test_tensor_parallel_trains_the_same_model[2ranks-dp1]"],
+        ("tensor_parallel.py", '{"0": ColwiseParallel(), "2": RowwiseParallel()}', '{"0": RowwiseParallel(), "2": ColwiseParallel()}')),
+    bug("tp-no-plan", "chapter 9: each rank holds its slices of the weights, not the whole model",
+        ["tests/test_tensor_parallel.py::test_each_rank_holds_the_slices_of_the_plan"],
+        ("tensor_parallel.py", '    parallelize_module(model.linear_relu_stack, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})\n', "")),
+    bug("tp-batch-split-over-every-rank", "chapter 9: the ranks of one tp group work on the same batch",
+        ["tests/test_tensor_parallel.py::test_tensor_parallel_trains_the_same_model[2ranks-dp1]"],
+        ("tensor_parallel.py", "num_replicas=cfg.dp, rank=dp_rank, seed=cfg.seed)", "num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)"),
+        ("tensor_parallel.py", "batch_size=cfg.batch_size // (cfg.dp * cfg.accum_steps)", "batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps)")),
+    bug("2d-without-fsdp", "chapter 9 in 2-D: FSDP2 shards the tp slices over the dp rows and averages the rows",
+        ["tests/test_tensor_parallel.py::test_tensor_parallel_trains_the_same_model[4ranks-dp2]"],
+        ("tensor_parallel.py", "    if cfg.dp > 1:  # 2-D", "    if False:  # 2-D")),
+
     # --- The GPU path, played on the CPU ---
     bug("every-rank-downloads", "the ranks of one machine fetch the data once",
         ["tests/test_data.py::test_the_ranks_of_one_machine_download_the_data_once"],

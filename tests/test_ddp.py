@@ -147,7 +147,7 @@ STEPS = [("who am I", []), ("device", ["set_device("]), ("init", ["init_process_
          ("teardown", ["dist.destroy_process_group()"]),  # in main()'s finally, around the call of train()
          ("data", ["locate_fashion_mnist(", "dist.barrier()", "DistributedSampler(", "DataLoader(train_set"]),
          ("wrap", []), ("epochs", ["set_epoch(", "train_one_epoch("]), ("save", ["if ctx.is_main:"])]
-WRAPS = {"fsdp.py": "fully_shard(model"}
+WRAPS = {"fsdp.py": "fully_shard(model", "tensor_parallel.py": "parallelize_module(model"}
 
 
 def step_markers(source):
@@ -155,7 +155,7 @@ def step_markers(source):
     return [(int(n), words) for n, words in re.findall(r"# Step (\d), ([\w ]+):", source)]
 
 
-@pytest.mark.parametrize("script", [*DDP_CHAPTERS, "fsdp.py"])
+@pytest.mark.parametrize("script", [*DDP_CHAPTERS, "fsdp.py", "tensor_parallel.py"])
 def test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom(script):
     """The lesson is in the chapter, in reading order: who am I, device, init (with the teardown in the finally around
     the rest), data (fetched once per machine, a DistributedSampler in a plain DataLoader), wrap, epochs with
@@ -173,7 +173,7 @@ def test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom(script):
     # Where rank, local rank and world size come from, in step 1.
     source_of_ranks = {"ddp_launch.py": 'os.environ["RANK"]', "ddp_mp.py": "def worker(rank,",
                        "ddp_tcp_manual.py": "cfg.rank", "ddp_slurm.py": 'os.environ["SLURM_PROCID"]',
-                       "fsdp.py": 'os.environ["RANK"]'}
+                       "fsdp.py": 'os.environ["RANK"]', "tensor_parallel.py": 'os.environ["RANK"]'}
     assert source.find(source_of_ranks[script]) < source.find("# Step 2, device:")
     # The teardown is the finally of the try around everything after init, so it runs after an error too.
     assert re.search(r"^    try:\n        train\(cfg, ctx\).*\n    finally:  # Step 8, teardown:.*\n"
@@ -199,7 +199,7 @@ def test_no_hand_built_store_on_the_default_path():
 # local rank and world size come from, how the processes start, the rendezvous.
 DIFF_BUDGETS = {("single_gpu.py", "ddp_launch.py"): 70, ("ddp_launch.py", "ddp_mp.py"): 45,
                 ("ddp_launch.py", "ddp_tcp_manual.py"): 45, ("ddp_launch.py", "ddp_slurm.py"): 45,
-                ("ddp_launch.py", "fsdp.py"): 90}
+                ("ddp_launch.py", "fsdp.py"): 90, ("fsdp.py", "tensor_parallel.py"): 120}
 LESSON_CALLS = ("DistributedSampler(", "DataLoader(", "DDP(", "set_epoch(", "train_one_epoch(", "save_weights(",
                 "locate_fashion_mnist(", "barrier(", "StopAtTimeLimit", "time_limit")
 

@@ -115,7 +115,7 @@ def _truncated(snap):
     (2, lambda snap: (snap / "epoch-1" / ".metadata").unlink(), [], "cannot be read (AssertionError: metadata is None)"),
     (1, lambda snap: (snap / "epoch-1" / "snapshot.pt").write_bytes(b"half a zip"), [], "in snapshot.pt)"),
     (1, lambda snap: None, ["--lr", "0.01"], "was made with --lr 0.001, this run has --lr 0.01"),
-    (1, lambda snap: shutil.rmtree(snap) or snap.write_bytes(b"x"), [], "is a file; fsdp.py's snapshots are folders"),
+    (1, lambda snap: shutil.rmtree(snap) or snap.write_bytes(b"x"), [], "is a file; sharded snapshots are folders"),
 ], ids=["truncated-shard", "no-metadata", "damaged-snapshot.pt", "other-flags", "a-file"])
 def test_damaged_or_foreign_snapshot_stops_every_rank_with_one_line(world, damage, extra, needle, sharded_snapshot,
                                                                     real_data, tmp_path, procs):

@@ -1,0 +1,141 @@
+"""Chapter 9: tensor parallel: the ranks split each big layer's weights and compute one product together.
+
+    torchrun --standalone --nproc-per-node 2 tensor_parallel.py            # 2 ranks split every layer (tp = 2)
+    torchrun --standalone --nproc-per-node 4 tensor_parallel.py --dp 2     # 2-D: 2 data-parallel groups x tp = 2
+
+Started like chapter 3 (`diff fsdp.py tensor_parallel.py` is the lesson); the 2-D mesh shards the dp dimension with
+chapter 7's FSDP2, and snapshots are chapter 7's sharded ones (--snapshot DIR). The why: docs/tensor_parallel.md.
+"""
+import math
+import os
+from dataclasses import replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
+from common.config import check_tensor_parallel_flags, parse_config
+from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
+from common.engine import evaluate, train_one_epoch
+from common.errors import name_rank_in_errors, run_main
+from common.metrics import MetricsLog
+from common.model import NeuralNetwork
+from common.ranks import (DistContext, check_global_batch, check_torchrun_worker, meet_the_group, print0,
+                          hide_2d_notices, print_parameter_bytes, rank_device)
+from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: they take DTensors too
+
+
+@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+def main():
+    cfg = parse_config(description=__doc__, chapter_flags=("dp",))
+    check_tensor_parallel_flags(cfg)  # dp x tp ranks, tp divides 512; no fp16; a torch whose FSDP2 runs here
+    check_torchrun_worker("tensor_parallel.py")  # started by torchrun; --max-restarts with a fresh store each time
+    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    name_rank_in_errors(rank, world_size)
+    check_global_batch(cfg.batch_size, cfg.dp, cfg.accum_steps)  # the batch is split over the dp groups only
+    # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
+    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+    try:
+        train(cfg, ctx)  # steps 4 to 7, below
+    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
+        dist.destroy_process_group()
+
+
+def train(cfg, ctx):
+    print0(ctx, cfg.describe())
+    print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
+    torch.set_num_threads(meet_the_group(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
+    output = prepare_output(cfg.output)
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+
+    # The mesh: the ranks as a grid of dp rows by tp columns. Rank r sits in row r // tp: the tp ranks of a row are
+    # neighbours (one machine, its fast links), because they talk in every layer; the rows talk once per step.
+    tp = ctx.world_size // cfg.dp
+    mesh = init_device_mesh(ctx.device.type, (cfg.dp, tp), mesh_dim_names=("dp", "tp"))
+    print0(ctx, f"Mesh: {cfg.dp} data-parallel group(s) (dp) x {tp} ranks splitting each layer (tp)")
+    dp_rank = mesh.get_local_rank("dp")
+    # The losses and test counts are summed over one rank per batch (a row's tp ranks compute the same numbers).
+    ctx = replace(ctx, data_group=mesh.get_group("dp"))
+
+    # Step 4, data: the tp ranks of a row work on the same batch, so chapter 1's shuffle is split over the rows only:
+    # row d takes every dp-th image (with --dp 1 every rank takes the whole global batch).
+    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
+        locate_fashion_mnist(cfg.data_dir)
+    dist.barrier()  # ... while the others wait here
+    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
+    train_sampler = DistributedSampler(train_set, num_replicas=cfg.dp, rank=dp_rank, seed=cfg.seed)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (cfg.dp * cfg.accum_steps),
+                              sampler=train_sampler)
+    # Every forward() is collective (tp: an all-reduce per layer pair; dp: FSDP2's gathers), so every rank runs as many
+    # test batches: sized from the largest shard (row 0's), they come out the same number in every row.
+    largest = math.ceil(len(test_set) / cfg.dp)
+    test_loader = DataLoader(test_set, batch_size=math.ceil(largest / math.ceil(largest / 1000)),
+                             sampler=ShardSampler(test_set, dp_rank, cfg.dp))
+
+    torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
+    model = NeuralNetwork().to(ctx.device)
+    # Step 5, wrap: Megatron's cut of a two-layer block. The first Linear is split by its outputs (ColwiseParallel:
+    # rank t computes hidden units t*512/tp .. (t+1)*512/tp), the ReLU acts on each rank's slice alone, the second
+    # Linear is split by its inputs (RowwiseParallel: each rank multiplies its slice of the hidden vector by its
+    # columns of the weight) and one all-reduce per forward adds the tp partial sums. Backward needs none: the
+    # input images take no gradient. The last Linear (10 x 512, 0.8% of the weights) stays whole on every rank:
+    # split, its 10 outputs would need an all-gather per forward to save 20 KB per rank.
+    parallelize_module(model.linear_relu_stack, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if cfg.dp > 1:  # 2-D: chapter 7's FSDP2 cuts each rank's slices again, over the dp rows, and averages the rows
+        hide_2d_notices()  # two notices torch prints on every rank of a 2-D run; why they ask nothing: common/ranks.py
+        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(**bf16) if cfg.precision == "bf16" else MixedPrecisionPolicy()
+        for layer in model.linear_relu_stack:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
+        model.compile()
+    print0(ctx, model)
+    print_parameter_bytes(model, ctx)  # the whole model's, and each rank's slices
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    scaler = None  # no fp16 here (check_tensor_parallel_flags)
+
+    first_epoch = load_sharded_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot folder holds
+    metrics = MetricsLog(output, ctx, first_epoch)
+    # Step 6, epochs: each draws its own shuffle from seed + epoch.
+    for epoch in range(first_epoch, cfg.epochs):
+        print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
+        train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
+        # Tensor parallel acts inside every forward() (the all-reduce); with --dp, FSDP2 gathers and reduce-scatters
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
+        evaluate(model, test_loader, epoch, ctx, metrics)
+        save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        if time_limit.reached(epoch + 1, cfg, ctx):
+            return
+    print0(ctx, "Done!")
+
+    # Step 7, save: the plain model's weights, once (chapter 1's names and shapes: they load in every chapter). Every
+    # rank sends its slices, and rank 0 gets the full state_dict on the CPU (the others get {}).
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        atomic_save(full, output / "model.pth")
+    print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+if __name__ == "__main__":
+    run_main(main)

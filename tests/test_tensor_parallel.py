@@ -1,0 +1,132 @@
+"""Chapter 9 through torchrun: tensor parallel (and 2-D with FSDP2) trains chapter 1's model; its snapshots reshard."""
+import re
+
+import pytest
+
+from common.metrics import read_metrics
+from conftest import REPO, TORCHRUN, Procs, assert_same_curves, load_state, max_abs_diff, run_script, slice_args
+from test_ddp import SAME_MODEL
+from test_faults import TORCHRUN_ENV
+
+# Measured on torch 2.14.1, 1 thread per rank, SLICE's 40 steps: 3.7e-9 at tp 2, tp 4 and dp 2 x tp 2 (the second
+# Linear's products are summed in tp parts by the all-reduce, chapter 1 sums them in one): the DDP chapters' bound.
+# A snapshot saved at tp 2 and resumed at dp 2 x tp 2: DCP cuts the slices anew, the same steps follow.
+RESHARDED = 1e-6
+SHAPES = [(2, 1), (4, 1), (4, 2)]  # (ranks, --dp): tp 2, tp 4, and 2-D dp 2 x tp 2
+
+
+def torchrun(world, args, procs, timeout=240):
+    """tensor_parallel.py under torchrun --standalone on `world` ranks: (returncode, stdout, stderr)."""
+    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "tensor_parallel.py", *map(str, args)])
+    return procs.wait(p, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def procs_module():
+    """procs for module-scoped fixtures: every process still running at the end of the module is killed."""
+    ps = Procs()
+    yield ps
+    ps.close()
+
+
+@pytest.fixture(scope="module")
+def tp_runs(real_data, tmp_path_factory, procs_module):
+    """tensor_parallel.py on SLICE at every shape: {(ranks, dp): (folder, stdout, stderr)}."""
+    runs = {}
+    for world, dp in SHAPES:
+        out = tmp_path_factory.mktemp(f"tp{world}x{dp}")
+        code, stdout, err = torchrun(world, [*slice_args(real_data, out), "--dp", dp, "--timeout", "60"], procs_module)
+        assert code == 0, err
+        runs[world, dp] = (out, stdout, err)
+    return runs
+
+
+@pytest.mark.parametrize("world,dp", SHAPES, ids=[f"{w}ranks-dp{d}" for w, d in SHAPES])
+def test_tensor_parallel_trains_the_same_model(world, dp, tp_runs, reference):
+    out, log, err = tp_runs[world, dp]
+    ref_state, ref_log, ref_metrics = reference
+    state = load_state(out / "model.pth")  # a plain full state_dict: chapter 1's keys, whole tensors, on the CPU
+    assert state.keys() == ref_state.keys() and all(state[k].shape == ref_state[k].shape for k in state)
+    assert max_abs_diff(ref_state, state) <= SAME_MODEL
+    assert_same_curves(read_metrics(out), ref_metrics)
+    assert re.findall(r"Accuracy: [\d.]+%", log) == re.findall(r"Accuracy: [\d.]+%", ref_log)
+    assert f"Mesh: {dp} data-parallel group(s) (dp) x {world // dp} ranks splitting each layer (tp)" in log
+    assert log.count("Done!") == 1 and sorted(re.findall(r"\[rank (\d+)\] host=", log)) == [str(r) for r in range(world)]
+    assert "Warning" not in err and "Traceback" not in err, err  # torch's two 2-D notices are hidden, nothing else
+
+
+def held_by_plan(tp, dp):
+    """The bytes one rank holds under the chapter's plan: the first Linear's rows and the second's columns cut tp
+    ways, the second's bias and the last Linear whole; then all of it cut dp ways by FSDP2."""
+    numbers = (512 * 784 + 512) // tp + 512 * 512 // tp + 512 + 10 * 512 + 10
+    return numbers * 4 // dp
+
+
+def test_each_rank_holds_the_slices_of_the_plan(tp_runs):
+    """The bytes line: the whole model's 669,706 fp32 numbers, and each rank's share as the plan cuts them (a rank that
+    held the whole model, an unsplit layer, or FSDP2 left out, shows here)."""
+    for (world, dp), (_, log, _) in tp_runs.items():
+        (line,) = [x for x in log.splitlines() if x.startswith("Parameter bytes:")]
+        full, *held = [int(n.replace(",", "")) for n in re.findall(r"(?<![\w])(\d[\d,]{3,})", line)]
+        assert full == 669_706 * 4 and held == [held_by_plan(world // dp, dp)] * world, line
+
+
+@pytest.fixture(scope="module")
+def momentum_run(real_data, tmp_path_factory, procs_module):
+    """tensor_parallel.py on SLICE at tp 2 with momentum, uninterrupted: (model.pth's state_dict, metrics)."""
+    out = tmp_path_factory.mktemp("tp-momentum")
+    code, _, err = torchrun(2, [*slice_args(real_data, out), "--momentum", "0.9"], procs_module)
+    assert code == 0, err
+    return load_state(out / "model.pth"), read_metrics(out)
+
+
+def test_a_snapshot_saved_at_tp_2_resumes_in_2d(momentum_run, real_data, tmp_path, procs):
+    """Epoch 1 at tp 2 with --snapshot, epoch 2 at dp 2 x tp 2: DCP cuts the weights and the momentum anew, and the
+    run ends where the uninterrupted one does."""
+    out, snap = tmp_path / "run", tmp_path / "snap"
+    args = [*slice_args(real_data, out), "--momentum", "0.9", "--snapshot", snap, "--timeout", "60"]
+    code, _, err = torchrun(2, [*args, "--epochs", "1"], procs)
+    assert code == 0, err
+    code, log, err = torchrun(4, [*args, "--dp", "2"], procs)
+    assert code == 0, err
+    assert "Resuming from" in log and "(saved by 2 ranks, loaded by 4)" in log and log.count("Epoch 2\n") == 1, log
+    diff = max_abs_diff(momentum_run[0], load_state(out / "model.pth"))
+    print(f"saved at tp 2, resumed at dp 2 x tp 2, against the uninterrupted run: max |difference| = {diff:g}")
+    assert diff <= RESHARDED
+    assert_same_curves(read_metrics(out), momentum_run[1])
+
+
+@pytest.mark.parametrize("flag,env,needle", [
+    (["--dp", "3"], TORCHRUN_ENV, "--dp 3 does not divide the 2 ranks"),
+    (["--precision", "fp16"], TORCHRUN_ENV, "tensor_parallel.py trains in --precision fp32 or bf16"),
+    (["--batch-size", "63", "--dp", "2"], TORCHRUN_ENV, "split evenly over 2"),
+    (["--dp", "0"], TORCHRUN_ENV, "argument --dp: must be a positive integer"),
+    (["--nprocs", "2"], TORCHRUN_ENV, "unrecognized arguments"),
+    ([], {}, "start this script with torchrun"),
+], ids=["dp-3-of-2", "fp16", "batch-63", "dp-0", "nprocs", "no-torchrun"])
+def test_bad_flag_exits_2_with_one_line(flag, env, needle):
+    proc = run_script("tensor_parallel.py", *flag, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_three_ranks_cannot_split_the_hidden_layer(real_data, tmp_path, procs):
+    """tp 3 does not divide 512 hidden units: the one line, before any rendezvous (torchrun stops the other ranks as
+    soon as the first one exits, so one, two or three of them print it)."""
+    code, out, err = torchrun(3, [*slice_args(real_data, tmp_path), "--timeout", "30"], procs, timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code != 0 and out == "", err
+    assert 1 <= len(lines) <= 3 and all("do not split the 512 hidden units evenly" in line for line in lines), err
+
+
+def test_the_chapter_shows_every_tensor_parallel_line():
+    """The lesson is in the file, in the order a reader follows it; chapter 7 is the diff."""
+    source = (REPO / "tensor_parallel.py").read_text()
+    train = source.split("def train(cfg, ctx):")[1]
+    calls = ["init_device_mesh(", 'mesh_dim_names=("dp", "tp")', "DistributedSampler(train_set, num_replicas=cfg.dp",
+             'parallelize_module(model.linear_relu_stack, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})',
+             'fully_shard(layer, mesh=mesh["dp"]', 'fully_shard(model, mesh=mesh["dp"]', "torch.optim.SGD(",
+             "set_epoch(", "get_model_state_dict(", "if ctx.is_main:"]
+    where = [train.find(call) for call in calls]
+    assert -1 not in where and where == sorted(where), list(zip(calls, where))
