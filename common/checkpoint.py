@@ -168,7 +168,7 @@ def print_resumed(ctx, where, epochs_done, cfg):
 
 # Chapter 7's sharded snapshots: fsdp.py makes the four torch.distributed.checkpoint calls (get_state_dict, dcp.save,
 # dcp.load, set_state_dict); the folders, the flags file and the errors around them are kept here.
-SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v1"
+SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v2"  # v2: the optimizer state flattened
 SHARDED_FIX = "delete it to start afresh, or pass another --snapshot"
 
 

@@ -39,6 +39,8 @@ class Config:
     rank: Optional[int] = None  # ddp_tcp_manual.py: this process's global rank
     world_size: Optional[int] = None  # ddp_tcp_manual.py: total number of processes
     local_rank: Optional[int] = None  # ddp_tcp_manual.py: this process's index on its machine (picks the GPU)
+    schedule: Optional[str] = None  # pipeline.py: the order of the micro-batches' forwards and backwards
+    microbatches: Optional[int] = None  # pipeline.py: micro-batches per global batch, in flight through the stages
     dp: Optional[int] = None  # tensor_parallel.py: data-parallel groups; the world size / dp ranks of each split the layers
 
     def describe(self):
@@ -105,6 +107,10 @@ CHAPTER_FLAGS = {
     "rank": dict(type=_non_negative_int, help="this process's global rank, 0 .. world size - 1"),
     "world_size": dict(type=_positive_int, help="total number of processes over all machines"),
     "local_rank": dict(type=_non_negative_int, help="this process's index on its machine; picks cuda:N (default 0)"),
+    "schedule": dict(choices=("gpipe", "1f1b"), default="gpipe", help="pipeline schedule: gpipe (all forwards, then "
+                     "all backwards) or 1f1b (one forward, one backward) (default %(default)s)"),
+    "microbatches": dict(type=_positive_int, default=4, help="micro-batches each global batch is cut into "
+                         "(default %(default)s)"),
     "dp": dict(type=_positive_int, default=1, help="data-parallel groups (default 1); each group's world size / dp "
                "ranks split every layer (tensor parallel), the groups split the batch (FSDP2)"),
 }
@@ -224,3 +230,32 @@ def check_tensor_parallel_flags(cfg):
         raise UsageError(f"{tp} ranks per tensor-parallel group (world size {world_size} / --dp {cfg.dp}) do not "
                          f"split the {HIDDEN} hidden units evenly; use 1, 2, 4, 8 ... ranks per group")
     check_fsdp_flags(cfg, "tensor_parallel.py", sharded_over=cfg.dp)
+
+
+def check_pipeline_flags(cfg, stages_at_most):
+    """pipeline.py's refusals, each one line and exit 2: more stages than the cuts it knows, micro-batches that do
+    not split the global batch, flags the pipeline does not take (fp16, --accum-steps, --compile), a torch whose
+    pipelining lacks what the chapter uses. First of all, before any rendezvous."""
+    from torch.distributed.pipelining import ScheduleGPipe  # noqa: only here: the other chapters do not need it
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > stages_at_most:
+        raise UsageError(f"{world_size} ranks but pipeline.py cuts the model into at most {stages_at_most} stages "
+                         f"(one per Linear layer): start --nproc-per-node {stages_at_most} or fewer")
+    if cfg.batch_size % cfg.microbatches:
+        raise UsageError(f"--batch-size {cfg.batch_size} must split into --microbatches {cfg.microbatches} equal "
+                         f"micro-batches; use a multiple of {cfg.microbatches}")
+    if cfg.precision == "fp16":  # each stage's scaler would see only its own layers' gradients
+        raise UsageError("pipeline.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every "
+                         "stage's gradients for overflow, which this chapter does not have: use --precision bf16")
+    if cfg.accum_steps != 1:
+        raise UsageError("pipeline.py takes no --accum-steps: its micro-batches already add their gradients up "
+                         "before each optimizer step; use --microbatches")
+    if cfg.compile:
+        raise UsageError("pipeline.py takes no --compile: the schedule calls each stage's layers once per micro-batch "
+                         "and torch.compile is not part of this chapter; leave --compile out")
+    import inspect
+
+    if "scale_grads" not in inspect.signature(ScheduleGPipe).parameters or not hasattr(ScheduleGPipe, "eval"):
+        raise UsageError(f"pipeline.py needs a torch whose pipeline schedules take scale_grads= and have eval() (2.14.1 "
+                         f"has both); this is torch {torch.__version__}: upgrade torch")

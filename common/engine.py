@@ -116,19 +116,29 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
         loss_sum.add_(step_loss, alpha=images)  # one fused op, no temporary
         seen += images
         if step % cfg.log_every == 0:
-            # Every rank joins the reduction; rank 0 prints the loss of the whole global batch.
-            total, count = all_reduce_sum([step_loss * images, images], ctx, ctx.data_group)
-            print0(ctx, f"loss: {total / count:>7f}  [{step * cfg.batch_size:>5d}/{size:>5d}]")
-            metrics.write("train", epoch + 1, step=epoch * steps + step + 1,
-                          samples=epoch * size + min((step + 1) * cfg.batch_size, size), loss=round(total / count, 6))
-    total, count = all_reduce_sum([loss_sum, seen], ctx, ctx.data_group)
-    _sync(ctx.device)
-    seconds = time.perf_counter() - start
-    print0(ctx, f"Train time: {seconds:.2f}s ({count / seconds:.0f} samples/s), train loss: {total / count:>7f}")
+            log_step(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics)
+    log_epoch(loss_sum, seen, start, epoch, steps, ctx, metrics)
     if scaler:  # one read of the scale per epoch (it lives on the device): halved once per skipped step, doubled
         print0(ctx, f"fp16 loss scale: {scaler.get_scale():g}")  # after 2000 steps in a row without inf/NaN
     if cfg.compile:
         print0(ctx, compiled_so_far())
+
+
+def log_step(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics):
+    """Every --log-every steps, the quickstart's loss line: every rank joins the reduction (a rank that saw no images
+    of the step adds 0 and 0), and rank 0 prints the mean loss over the whole global batch."""
+    total, count = all_reduce_sum([step_loss * images, images], ctx, ctx.data_group)
+    print0(ctx, f"loss: {total / count:>7f}  [{step * cfg.batch_size:>5d}/{size:>5d}]")
+    metrics.write("train", epoch + 1, step=epoch * steps + step + 1,
+                  samples=epoch * size + min((step + 1) * cfg.batch_size, size), loss=round(total / count, 6))
+
+
+def log_epoch(loss_sum, seen, start, epoch, steps, ctx, metrics):
+    """The epoch's line: its time, images per second and mean loss, summed over every rank's images."""
+    total, count = all_reduce_sum([loss_sum, seen], ctx, ctx.data_group)
+    _sync(ctx.device)
+    seconds = time.perf_counter() - start
+    print0(ctx, f"Train time: {seconds:.2f}s ({count / seconds:.0f} samples/s), train loss: {total / count:>7f}")
     metrics.note(step=(epoch + 1) * steps, train_loss=total / count, train_seconds=seconds,
                  samples_per_second=count / seconds)
 
@@ -164,6 +174,91 @@ def evaluate(model, loader, epoch, ctx, metrics):
         correct += (pred.argmax(1) == y).sum()
         seen += len(y)
     total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, seen], ctx, ctx.data_group)
+    accuracy, test_loss = total_correct / total, total_loss / total
+    print0(ctx, f"Test Error: \n Accuracy: {100 * accuracy:>0.1f}%, Avg loss: {test_loss:>8f} \n")
+    metrics.write("epoch", epoch + 1, test_accuracy=accuracy, test_loss=test_loss)
+    return accuracy, test_loss
+
+
+# Chapter 10: a pipeline stage holds some of the layers; torch's schedule runs the micro-batches through all of them.
+PADDING = -100  # the label of a padding row: cross_entropy's ignore_index, so it adds nothing to a loss or gradient
+
+
+class PipelineLoss:
+    """The last stage's loss for one micro-batch: its cross-entropy summed over its images and divided by the step's
+    images, so the micro-batches' losses add up to the mean over the step, as chapter 1's one batch (the schedule is
+    told not to divide the gradients by the number of micro-batches: scale_grads=False). Padding rows count nothing.
+    """
+
+    images = 1  # the step's real images; set before each step
+
+    def __call__(self, logits, labels):
+        return nn.functional.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=PADDING) / self.images
+
+
+def padded(X, y, batch_size):
+    """A short batch padded to batch_size rows (zero images labelled PADDING): a pipeline's stages exchange micro-
+    batches of one fixed shape, set by the first step (the last batch of an epoch or a test set may be short)."""
+    missing = batch_size - len(y)
+    if missing == 0:
+        return X, y
+    return torch.cat([X, X.new_zeros(missing, *X.shape[1:])]), torch.cat([y, y.new_full((missing,), PADDING)])
+
+
+def _stage_inputs(stage, X, y, **last):
+    """schedule.step()'s arguments on this stage: the images on the first, the labels (and more) on the last."""
+    return ((X,) if stage.is_first else ()), (dict(target=y, **last) if stage.is_last else {})
+
+
+def train_pipeline_epoch(schedule, stage, loss_fn, loader, optimizer, epoch, cfg, ctx, metrics):
+    """train_one_epoch for a pipeline stage: one schedule.step() per global batch runs every micro-batch's forward and
+    backward through all the stages, in the schedule's order; then this stage's optimizer steps its own layers.
+
+    Every stage iterates the same loader (the same shuffle); the first feeds the images, the last the labels, and
+    only the last sees the losses: the others add 0 to the sums (the loss lines come from rank 0, as in every chapter).
+    """
+    stage.submod.train()
+    size, steps = len(loader.dataset), len(loader)
+    loss_sum = torch.zeros((), device=ctx.device)
+    seen = 0
+    _sync(ctx.device)
+    start = time.perf_counter()
+    for step, (X, y) in enumerate(loader):
+        images = len(y) if stage.is_last else 0  # counted once, where the loss is
+        loss_fn.images = len(y)
+        X, y = padded(X, y.to(ctx.device), cfg.batch_size)
+        losses = []
+        args, kwargs = _stage_inputs(stage, X, y, losses=losses)
+        with autocast(cfg, ctx.device):
+            schedule.step(*args, **kwargs)  # sends and receives activations (forward) and their gradients (backward)
+        optimizer.step()
+        optimizer.zero_grad()
+        step_loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=ctx.device)
+        loss_sum.add_(step_loss, alpha=images)
+        seen += images
+        if step % cfg.log_every == 0:
+            log_step(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics)
+    log_epoch(loss_sum, seen, start, epoch, steps, ctx, metrics)
+
+
+@torch.no_grad()
+def evaluate_pipeline(schedule, stage, loader, batch_size, epoch, ctx, metrics):
+    """evaluate() for a pipeline stage: schedule.eval() runs the forward passes only; the last stage gets the logits
+    and counts (padding rows left out), the others add 0, so every test image is counted once."""
+    stage.submod.eval()
+    loss_sum = torch.zeros((), device=ctx.device)
+    correct = torch.zeros((), dtype=torch.long, device=ctx.device)
+    seen = 0
+    for X, y in loader:
+        X, y = padded(X, y.to(ctx.device), batch_size)
+        args, kwargs = _stage_inputs(stage, X, y)  # the last stage takes the labels too (its loss_fn runs; unused here)
+        pred = schedule.eval(*args, **kwargs)  # the logits of the whole batch on the last stage, None on the others
+        if stage.is_last:
+            real = y != PADDING
+            loss_sum += nn.functional.cross_entropy(pred[real].float(), y[real], reduction="sum")
+            correct += (pred[real].argmax(1) == y[real]).sum()
+            seen += int(real.sum())
+    total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, seen], ctx)
     accuracy, test_loss = total_correct / total, total_loss / total
     print0(ctx, f"Test Error: \n Accuracy: {100 * accuracy:>0.1f}%, Avg loss: {test_loss:>8f} \n")
     metrics.write("epoch", epoch + 1, test_accuracy=accuracy, test_loss=test_loss)

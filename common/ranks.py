@@ -196,11 +196,13 @@ def all_reduce_sum(values, ctx, group=None):
 def print_parameter_bytes(model, ctx):
     """One line from rank 0 (every rank takes part): the whole model's parameter bytes, and the bytes of the slices
     each rank holds (FSDP2 and tensor parallel: a parameter is a DTensor, of which a rank holds its slice, to_local();
-    a plain parameter is held whole)."""
+    a plain parameter is held whole; pipeline stages: each rank holds whole layers, no two ranks the same ones)."""
     mine = sum(getattr(p, "to_local", lambda: p)().numel() * p.element_size() for p in model.parameters())
     full = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel() is the whole
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
+    if not any(hasattr(p, "to_local") for p in model.parameters()):  # pipeline stages: their layers add up
+        full = sum(everyone)
     per_rank = (", ".join(f"rank {r} {b:,}" for r, b in enumerate(everyone)) if ctx.world_size <= 8
                 else f"{min(everyone):,} to {max(everyone):,} per rank")
     print0(ctx, f"Parameter bytes: {full:,} in the whole model; held: {per_rank}")
@@ -219,3 +221,17 @@ def hide_2d_notices():
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def gather_stage_weights(model, ctx):
+    """Pipeline stages: every rank sends rank 0 the weights it holds (on the CPU); rank 0 gets them all in one plain
+    state_dict under chapter 1's names and order, the others None. Every rank must call it."""
+    everyone = [None] * ctx.world_size
+    mine = {name: t.detach().cpu() for name, t in model.state_dict().items()}
+    dist.gather_object(mine, everyone if ctx.is_main else None, dst=0)
+    if not ctx.is_main:
+        return None
+    held = {name: t for part in everyone for name, t in part.items()}
+    from common.model import NeuralNetwork
+
+    return {name: held[name] for name in NeuralNetwork().state_dict()}  # chapter 1's order; a missing layer: KeyError

@@ -62,7 +62,7 @@ MUTATIONS = [
         ("ddp_launch.py", 'rank = int(os.environ["RANK"])', 'rank = int(os.environ["LOCAL_RANK"])')),
     bug("eval-on-rank0-shard-only", "exact metrics: the test counts are summed over every rank's shard",
         ["tests/test_ddp.py::test_ddp_trains_the_same_model[mp-2]"],
-        ("common/engine.py", "total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, seen], ctx)",
+        ("common/engine.py", "total_loss, total_correct, total = all_reduce_sum([loss_sum, correct, seen], ctx, ctx.data_group)",
          "total_loss, total_correct, total = float(loss_sum), float(correct), float(seen)")),
     bug("eval-counts-sampler-padding", "exact metrics: no padded duplicates in the test shards",
         ["tests/test_ddp.py::test_ddp_trains_the_same_model[mp-3]"],
@@ -197,6 +197,23 @@ MUTATIONS = [
     bug("2d-without-fsdp", "chapter 9 in 2-D: FSDP2 shards the tp slices over the dp rows and averages the rows",
         ["tests/test_tensor_parallel.py::test_tensor_parallel_trains_the_same_model[4ranks-dp2]"],
         ("tensor_parallel.py", "    if cfg.dp > 1:  # 2-D", "    if False:  # 2-D")),
+
+    # --- Chapter 10: pipeline parallel ---
+    bug("pp-grads-divided-by-microbatches", "chapter 10: the micro-batches' losses add up to the step's mean loss",
+        ["tests/test_pipeline.py::test_the_pipeline_trains_the_same_model[2stages-gpipe]"],
+        ("pipeline.py", "loss_fn=loss_fn, scale_grads=False)", "loss_fn=loss_fn, scale_grads=True)")),
+    bug("pp-micro-batch-loss-is-its-mean", "chapter 10: each micro-batch's loss is its share of the step's images",
+        ["tests/test_pipeline.py::test_the_pipeline_trains_the_same_model[3stages-1f1b]"],
+        ("common/engine.py", 'reduction="sum", ignore_index=PADDING) / self.images', 'ignore_index=PADDING)')),
+    bug("pp-padding-labelled-0", "chapter 10: a short step's padding adds no loss and no gradient",
+        ["tests/test_pipeline.py::test_a_short_last_step_is_padded_and_counts_only_its_images[2-gpipe]"],
+        ("common/engine.py", "y.new_full((missing,), PADDING)", "y.new_zeros(missing)")),
+    bug("pp-padding-counted-in-test", "chapter 10: every test image counted once, no padding",
+        ["tests/test_pipeline.py::test_the_pipeline_trains_the_same_model[2stages-gpipe]"],
+        ("common/engine.py", "            real = y != PADDING\n", "            real = y == y\n")),
+    bug("pp-optimizer-state-not-flattened", "chapter 10: a snapshot of 2 stages resumes on 3, momentum and all",
+        ["tests/test_pipeline.py::test_a_snapshot_of_2_stages_resumes_on_3"],
+        ("fsdp.py", "FLAT = StateDictOptions(flatten_optimizer_state_dict=True)", "FLAT = StateDictOptions()")),
 
     # --- The GPU path, played on the CPU ---
     bug("every-rank-downloads", "the ranks of one machine fetch the data once",

@@ -147,7 +147,8 @@ STEPS = [("who am I", []), ("device", ["set_device("]), ("init", ["init_process_
          ("teardown", ["dist.destroy_process_group()"]),  # in main()'s finally, around the call of train()
          ("data", ["locate_fashion_mnist(", "dist.barrier()", "DistributedSampler(", "DataLoader(train_set"]),
          ("wrap", []), ("epochs", ["set_epoch(", "train_one_epoch("]), ("save", ["if ctx.is_main:"])]
-WRAPS = {"fsdp.py": "fully_shard(model", "tensor_parallel.py": "parallelize_module(model"}
+WRAPS = {"fsdp.py": "fully_shard(model", "tensor_parallel.py": "parallelize_module(model", "pipeline.py": "PipelineStage(model"}
+EPOCH_CALLS = {"pipeline.py": "train_pipeline_epoch("}  # a pipeline stage's epoch: schedule.step() per batch
 
 
 def step_markers(source):
@@ -155,7 +156,7 @@ def step_markers(source):
     return [(int(n), words) for n, words in re.findall(r"# Step (\d), ([\w ]+):", source)]
 
 
-@pytest.mark.parametrize("script", [*DDP_CHAPTERS, "fsdp.py", "tensor_parallel.py"])
+@pytest.mark.parametrize("script", [*DDP_CHAPTERS, "fsdp.py", "tensor_parallel.py", "pipeline.py"])
 def test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom(script):
     """The lesson is in the chapter, in reading order: who am I, device, init (with the teardown in the finally around
     the rest), data (fetched once per machine, a DistributedSampler in a plain DataLoader), wrap, epochs with
@@ -165,7 +166,7 @@ def test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom(script):
     numbers = {"who am I": 1, "device": 2, "init": 3, "data": 4, "wrap": 5, "epochs": 6, "save": 7, "teardown": 8}
     assert [words for _, words in markers] == [words for words, _ in STEPS], markers
     assert all(numbers[words] == n for n, words in markers), markers
-    calls = [call for words, step_calls in STEPS for call in
+    calls = [EPOCH_CALLS.get(script, call) if call == "train_one_epoch(" else call for words, step_calls in STEPS for call in
              [f"# Step {numbers[words]}, {words}:", *step_calls,
               *([WRAPS.get(script, "model = DDP(model")] if words == "wrap" else [])]]
     where = [source.find(call) for call in calls]
@@ -173,7 +174,8 @@ def test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom(script):
     # Where rank, local rank and world size come from, in step 1.
     source_of_ranks = {"ddp_launch.py": 'os.environ["RANK"]', "ddp_mp.py": "def worker(rank,",
                        "ddp_tcp_manual.py": "cfg.rank", "ddp_slurm.py": 'os.environ["SLURM_PROCID"]',
-                       "fsdp.py": 'os.environ["RANK"]', "tensor_parallel.py": 'os.environ["RANK"]'}
+                       "fsdp.py": 'os.environ["RANK"]', "tensor_parallel.py": 'os.environ["RANK"]',
+                       "pipeline.py": 'os.environ["RANK"]'}
     assert source.find(source_of_ranks[script]) < source.find("# Step 2, device:")
     # The teardown is the finally of the try around everything after init, so it runs after an error too.
     assert re.search(r"^    try:\n        train\(cfg, ctx\).*\n    finally:  # Step 8, teardown:.*\n"

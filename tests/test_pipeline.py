@@ -1,0 +1,173 @@
+"""Chapter 10 through torchrun: 2 and 3 pipeline stages, GPipe and 1F1B, train chapter 1's model; snapshots recut."""
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from common.metrics import read_metrics
+from conftest import (REPO, SLICE, TORCHRUN, Procs, assert_same_curves, load_state, max_abs_diff, run_script,
+                      slice_args)
+from test_ddp import SAME_MODEL
+from test_faults import TORCHRUN_ENV
+
+# Measured on torch 2.14.1, 1 thread per rank: 3.7e-9 at 2 and 3 stages, both schedules, on SLICE and on 996 images
+# (a short last step, padded): the micro-batches' gradients are summed in 4 parts where chapter 1 has one batch.
+# A snapshot saved by 2 stages and resumed by 3 (momentum 0.9): measured 0.0, the same steps on the same numbers.
+RESHARDED = 1e-6
+CASES = [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")]
+SHORT_STEP = ["--train-samples", "996"]  # 20 steps of 48 and one of 36: padded to 48, its padding counts nothing
+# The weights each stage holds: 2 stages cut after the first ReLU, 3 after each ReLU (pipeline.py's CUTS).
+LINEAR_BYTES = [(784 * 512 + 512) * 4, (512 * 512 + 512) * 4, (512 * 10 + 10) * 4]
+HELD = {2: [LINEAR_BYTES[0], LINEAR_BYTES[1] + LINEAR_BYTES[2]], 3: LINEAR_BYTES}
+
+
+def torchrun(world, args, procs, timeout=240):
+    """pipeline.py under torchrun --standalone on `world` ranks: (returncode, stdout, stderr)."""
+    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "pipeline.py", *map(str, args)])
+    return procs.wait(p, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def procs_module():
+    """procs for module-scoped fixtures: every process still running at the end of the module is killed."""
+    ps = Procs()
+    yield ps
+    ps.close()
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(real_data, tmp_path_factory, procs_module):
+    """pipeline.py on SLICE at every case: {(stages, schedule): (folder, stdout, stderr)}."""
+    runs = {}
+    for world, schedule in CASES:
+        out = tmp_path_factory.mktemp(f"pp{world}{schedule}")
+        code, stdout, err = torchrun(world, [*slice_args(real_data, out), "--schedule", schedule, "--timeout", "60"],
+                                     procs_module)
+        assert code == 0, err
+        runs[world, schedule] = (out, stdout, err)
+    return runs
+
+
+def accuracy_lines(log):
+    return re.findall(r"Accuracy: [\d.]+%", log)
+
+
+def test_losses(log):
+    return [float(x) for x in re.findall(r"Avg loss: ([\d.]+)", log)]
+
+
+test_losses.__test__ = False  # a helper, not a test
+
+
+@pytest.mark.parametrize("world,schedule", CASES, ids=[f"{w}stages-{s}" for w, s in CASES])
+def test_the_pipeline_trains_the_same_model(world, schedule, pipeline_runs, reference):
+    out, log, err = pipeline_runs[world, schedule]
+    ref_state, ref_log, ref_metrics = reference
+    state = load_state(out / "model.pth")  # chapter 1's keys in chapter 1's order, whole tensors, on the CPU
+    assert list(state) == list(ref_state) and all(state[k].shape == ref_state[k].shape for k in state)
+    assert max_abs_diff(ref_state, state) <= SAME_MODEL
+    assert_same_curves(read_metrics(out), ref_metrics)
+    assert accuracy_lines(log) == accuracy_lines(ref_log)  # every test image once: 500 in 11 batches, the last padded
+    assert test_losses(log) == pytest.approx(test_losses(ref_log), abs=2e-6)
+    assert f"Pipeline: {world} stage(s), 4 micro-batches of 12 images per step, schedule {schedule}" in log
+    assert log.count("Done!") == 1 and sorted(re.findall(r"\[rank (\d+)\] host=", log)) == [str(r) for r in range(world)]
+
+
+def test_each_stage_holds_its_layers(pipeline_runs):
+    """The bytes line: the whole model, and each rank only the Linear layers of its stage."""
+    for (world, _), (_, log, _) in pipeline_runs.items():
+        (line,) = [x for x in log.splitlines() if x.startswith("Parameter bytes:")]
+        full, *held = [int(n.replace(",", "")) for n in re.findall(r"(?<![\w])(\d[\d,]{3,})", line)]
+        assert full == 669_706 * 4 and held == HELD[world], line
+
+
+@pytest.mark.parametrize("world,schedule", [(2, "gpipe"), (3, "1f1b")])
+def test_a_short_last_step_is_padded_and_counts_only_its_images(world, schedule, real_data, tmp_path, procs):
+    """996 images: the last step has 36, padded to the 48 the stages exchange; the padding adds no loss, no gradient."""
+    args = [*SLICE, *SHORT_STEP, "--data-dir", real_data, "--timeout", "60"]
+    single = run_script("single_gpu.py", *args, "--output", tmp_path / "single")
+    assert single.returncode == 0, single.stderr
+    code, log, err = torchrun(world, [*args, "--schedule", schedule, "--output", tmp_path / "pp"], procs)
+    assert code == 0, err
+    assert max_abs_diff(load_state(tmp_path / "single" / "model.pth"), load_state(tmp_path / "pp" / "model.pth")) <= SAME_MODEL
+    assert accuracy_lines(log) == accuracy_lines(single.stdout)
+    assert_same_curves(read_metrics(tmp_path / "pp"), read_metrics(tmp_path / "single"))
+
+
+def test_a_snapshot_of_2_stages_resumes_on_3(real_data, tmp_path, procs):
+    """Epoch 1 on 2 stages with --snapshot and momentum, epoch 2 on 3: each stage loads its layers and their velocities
+    (the optimizer state is flattened per weight, so a stage finds them whichever stage saved them)."""
+    args = [*slice_args(real_data, tmp_path / "whole"), "--momentum", "0.9", "--timeout", "60"]
+    code, _, err = torchrun(2, args, procs)
+    assert code == 0, err
+    args = [*slice_args(real_data, tmp_path / "run"), "--momentum", "0.9", "--snapshot", tmp_path / "snap",
+            "--timeout", "60"]
+    code, _, err = torchrun(2, [*args, "--epochs", "1"], procs)
+    assert code == 0, err
+    code, log, err = torchrun(3, args, procs)
+    assert code == 0, err
+    assert "(saved by 2 ranks, loaded by 3)" in log and log.count("Epoch 2\n") == 1 and "Epoch 1\n" not in log, log
+    diff = max_abs_diff(load_state(tmp_path / "whole" / "model.pth"), load_state(tmp_path / "run" / "model.pth"))
+    print(f"saved by 2 stages, resumed by 3, against the uninterrupted run: max |difference| = {diff:g}")
+    assert diff <= RESHARDED
+    assert_same_curves(read_metrics(tmp_path / "run"), read_metrics(tmp_path / "whole"))
+
+
+def test_a_stage_whose_peer_stops_answering_ends_within_the_timeout(real_data, tmp_path, procs):
+    """Rank 1 frozen (SIGSTOP) in the middle of training: rank 0 waits for its activations' gradients no longer than
+    --timeout, then stops with one line, and torchrun ends the job (no hang)."""
+    args = [*slice_args(real_data, tmp_path), "--epochs", "50", "--timeout", "10"]
+    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "pipeline.py", *map(str, args)])
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").exists() or "epoch" not in (tmp_path / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and p.poll() is None, "the run did not reach its first test"
+        time.sleep(0.2)
+    worker = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(int(pid), 1, p.pid))
+    os.kill(worker, signal.SIGSTOP)
+    stopped = time.monotonic()
+    code, out, err = procs.wait(p, timeout=120)
+    seconds = time.monotonic() - stopped
+    assert code != 0 and "Done!" not in out, err
+    assert seconds < 10 + 45, seconds  # --timeout, then torchrun's SIGTERM and, 30 s on, SIGKILL for the frozen rank
+    lines = [line for line in err.splitlines() if line.startswith("error: [rank 0]")]
+    assert len(lines) == 1, err
+
+
+def _is_rank(pid, rank, torchrun_pid):
+    """Whether process pid is a worker of the torchrun torchrun_pid with RANK=rank."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+    parent = int(re.search(r"PPid:\s+(\d+)", status)[1])
+    return parent == torchrun_pid and f"RANK={rank}".encode() in environ
+
+
+@pytest.mark.parametrize("flag,env,needle", [
+    (["--microbatches", "5"], TORCHRUN_ENV, "--batch-size 64 must split into --microbatches 5"),
+    (["--precision", "fp16"], TORCHRUN_ENV, "pipeline.py trains in --precision fp32 or bf16"),
+    (["--accum-steps", "2"], TORCHRUN_ENV, "pipeline.py takes no --accum-steps"),
+    (["--compile"], TORCHRUN_ENV, "pipeline.py takes no --compile"),
+    (["--schedule", "zb"], TORCHRUN_ENV, "argument --schedule: invalid choice"),
+    ([], dict(TORCHRUN_ENV, WORLD_SIZE="4"), "4 ranks but pipeline.py cuts the model into at most 3 stages"),
+    ([], {}, "start this script with torchrun"),
+], ids=["microbatches-5", "fp16", "accum", "compile", "schedule-zb", "4-ranks", "no-torchrun"])
+def test_bad_flag_exits_2_with_one_line(flag, env, needle):
+    proc = run_script("pipeline.py", *flag, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_the_chapter_shows_every_pipeline_line():
+    """The lesson is in the file, in the order a reader follows it."""
+    source = (REPO / "pipeline.py").read_text()
+    train = source.split("def train(cfg, ctx):")[1]
+    calls = ["DistributedSampler(train_set, num_replicas=1, rank=0", "nn.Identity()", "PipelineStage(model, ctx.rank",
+             "SCHEDULES[cfg.schedule](stage, n_microbatches=cfg.microbatches", "torch.optim.SGD(", "set_epoch(",
+             "train_pipeline_epoch(schedule", "gather_stage_weights(", "if ctx.is_main:"]
+    where = [train.find(call) for call in calls]
+    assert -1 not in where and where == sorted(where), list(zip(calls, where))
