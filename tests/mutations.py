@@ -214,6 +214,12 @@ MUTATIONS = [
     bug("pp-optimizer-state-not-flattened", "chapter 10: a snapshot of 2 stages resumes on 3, momentum and all",
         ["tests/test_pipeline.py::test_a_snapshot_of_2_stages_resumes_on_3"],
         ("fsdp.py", "FLAT = StateDictOptions(flatten_optimizer_state_dict=True)", "FLAT = StateDictOptions()")),
+    bug("table-without-the-ring-factor", "README's strategy table: bytes sent as a ring algorithm sends them",
+        ["tests/test_strategy_table.py::test_the_numbers_are_what_each_strategy_must_hold_and_send"],
+        ("scripts/strategy_table.py", "return 2 * (n - 1) / n * size(c[\"sizes\"])", "return size(c[\"sizes\"])")),
+    bug("table-p2p-not-counted", "README's strategy table: the pipeline's sends are counted",
+        ["tests/test_strategy_table.py::test_the_numbers_are_what_each_strategy_must_hold_and_send"],
+        ("scripts/strategy_table.py", "    dist.P2POp = CountedP2POp\n", "")),
 
     # --- The GPU path, played on the CPU ---
     bug("every-rank-downloads", "the ranks of one machine fetch the data once",

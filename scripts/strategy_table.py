@@ -1,0 +1,256 @@
+"""What each strategy holds and sends, measured: runs the chapters and writes the README's table.
+
+    python scripts/strategy_table.py                      # every row (about 4 minutes on 2 CPU cores), printed
+    python scripts/strategy_table.py --write README.md    # and put into README.md between its table markers
+    python scripts/strategy_table.py --rows ddp,tp --ranks 2     # some rows
+
+Each row runs its chapter unchanged under torchrun (chapter 1 alone) on the CPU with gloo, twice: 4 and 8 optimizer
+steps of the default 64-image batch, SGD with --momentum 0.9 so the optimizer holds a velocity per weight. Whatever
+the two runs share (start-up, the test, the first loss line) cancels in their difference; what is left, over 4 steps,
+is one optimizer step's communication. The numbers come from torch's own records, read inside each rank:
+
+- collectives: torch's flight recorder (TORCH_FR_BUFFER_SIZE), which logs every collective a process group runs,
+  DDP's C++ all-reduces included, with its sizes, dtypes and group; read before the chapter's destroy_process_group
+  (torch 2.14.1 records gloo's collectives; the table was made there).
+  Bytes sent per rank are what a ring algorithm sends for each: 2(n-1)/n of the buffer for an all-reduce, (n-1)/n
+  of the whole for an all-gather or a reduce-scatter (n: the ranks of its group). gloo's own algorithms may send more.
+- point-to-point (the pipeline's activations and their gradients): gloo's flight recorder does not log sends, so
+  every torch.distributed.P2POp made with isend is counted with its tensor's bytes.
+- held bytes: an optimizer step hook (torch.optim.Optimizer.register_optimizer_step_post_hook) adds up what this
+  rank holds after each step: its parameters, their gradients, the optimizer's state (local slices of DTensors).
+
+Each rank writes one JSON file; the table shows the largest rank's numbers (pipeline stages differ).
+"""
+import argparse
+import json
+import os
+import pickle
+import re
+import runpy
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = (4, 8)  # optimizer steps of the two runs; their difference is 4 steps
+BATCH = 64
+ROWS = {  # name: (chapter, extra flags, ranks it runs at, what it is, use it when)
+    "single": ("single_gpu.py", [], (1,), "chapter 1, one process",
+               "it fits on one device and one device is fast enough"),
+    "ddp": ("ddp_launch.py", [], (2, 4), "DDP (chapters 3-6)",
+            "the weights, gradients and optimizer state fit on every GPU: the most samples per second for the least "
+            "code"),
+    "fsdp": ("fsdp.py", [], (2, 4), "FSDP2 (chapter 7)",
+             "they do not fit on one GPU: each rank holds 1/n of all three, for about 1.5x DDP's bytes (on NCCL) and "
+             "a message per layer"),
+    "tp": ("tensor_parallel.py", [], (2, 4), "tensor parallel (chapter 9)",
+           "one layer's weights or products are too big for one GPU, and the GPUs share a fast link: the ranks talk "
+           "inside every forward, and the bytes grow with the batch, not the weights"),
+    "2d": ("tensor_parallel.py", ["--dp", "2"], (4,), "FSDP2 x tensor parallel (chapter 9, --dp 2)",
+           "many nodes: tensor parallel between the GPUs of a node, FSDP2 between the nodes"),
+    "pp": ("pipeline.py", [], (2, 3), "pipeline, GPipe, 4 micro-batches (chapter 10)",
+           "the model is deep and the links are slow: only the activations at the cuts travel, but a stage waits "
+           "while the pipeline fills and drains, less the more micro-batches"),
+}
+DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
+               "Byte": 1, "Bool": 1}
+MARK = "<!-- strategy table: made by scripts/strategy_table.py --write README.md -->"
+
+
+# --- Inside each rank: record, run the chapter, write what was recorded ---
+
+def _local_bytes(t):
+    """Bytes this rank holds of tensor t (a DTensor's local slice)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def worker(chapter, out, args):
+    """Run chapter with args in this process, recording its communication and what it holds; write out/<rank>.json."""
+    import torch
+    import torch.distributed as dist
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    import common.errors
+
+    held, sends, trace = {}, [], {}
+
+    def after_step(optimizer, *_):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        held.update(params=sum(map(_local_bytes, params)),
+                    grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+                    optimizer=sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values()
+                                  if isinstance(v, torch.Tensor)))
+
+    register_optimizer_step_post_hook(after_step)
+
+    class CountedP2POp(dist.P2POp):  # the pipeline builds one per send or receive
+        def __init__(self, op, tensor, *rest, **kw):
+            super().__init__(op, tensor, *rest, **kw)
+            if op is dist.isend:
+                sends.append(_local_bytes(tensor))
+
+    dist.P2POp = CountedP2POp
+    destroy = dist.destroy_process_group
+
+    def read_the_record_then_destroy(*a, **kw):
+        trace.update(pickle.loads(torch._C._distributed_c10d._dump_fr_trace()))
+        # Each group's size by its name (the record's pg_config is empty for gloo on torch 2.14.1)
+        trace["sizes"] = {name: pg.size() for pg, name in dist.distributed_c10d._world.pg_names.items()}
+        return destroy(*a, **kw)
+
+    dist.destroy_process_group = read_the_record_then_destroy
+    end = common.errors.end_process
+
+    def write_then_end(code):
+        sizes = trace.get("sizes", {})
+        collectives = [dict(kind=e["profiling_name"].split(":")[-1], ranks=sizes[e["process_group"][0]],
+                            sizes=e["input_sizes"], out_sizes=e["output_sizes"], dtypes=e["input_dtypes"])
+                       for e in trace.get("entries", [])]
+        rank = int(os.environ.get("RANK", 0))
+        Path(out, f"{rank}.json").write_text(json.dumps(dict(held=held, collectives=collectives, sends=sends)))
+        end(code)
+
+    common.errors.end_process = write_then_end
+    sys.argv = [chapter, *args]
+    sys.path.insert(0, str(REPO))
+    runpy.run_path(str(REPO / chapter), run_name="__main__")
+
+
+# --- The driver: run each row twice, take the difference, make the table ---
+
+def sent_by_ring(c):
+    """Bytes one rank sends for one recorded collective, as a ring algorithm moves them."""
+    n = c["ranks"]
+    size = lambda shapes: sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in zip(shapes, c["dtypes"]))
+    if n < 2:
+        return 0
+    if c["kind"] in ("all_reduce", "allreduce"):
+        return 2 * (n - 1) / n * size(c["sizes"])
+    if c["kind"] in ("all_gather", "_allgather_base", "allgather", "all_gather_into_tensor"):
+        return (n - 1) / n * size(c["out_sizes"])
+    if c["kind"] in ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor"):
+        return (n - 1) / n * size(c["sizes"])
+    if c["kind"] == "broadcast":
+        return size(c["sizes"])
+    return 0
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def run(chapter, extra, ranks, steps, data_dir):
+    """One run of chapter at ranks with `steps` optimizer steps: every rank's record."""
+    out = Path(tempfile.mkdtemp(prefix="strategy-"))
+    args = ["--train-samples", str(steps * BATCH), "--test-samples", str(BATCH), "--batch-size", str(BATCH),
+            "--epochs", "1", "--log-every", "1000", "--momentum", "0.9", "--device", "cpu", "--output", str(out / "run"),
+            *(["--data-dir", data_dir] if data_dir else []), *extra]
+    me = [str(Path(__file__).resolve()), "--worker", chapter, "--record", str(out), "--"]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+                if ranks > 1 or chapter != "single_gpu.py" else [sys.executable])
+    env = dict(os.environ, TORCH_FR_BUFFER_SIZE="100000", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([*launcher, *me, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        sys.exit(f"error: {chapter} at {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    if len(records) != ranks:
+        sys.exit(f"error: {chapter} at {ranks} rank(s) left {len(records)} records")
+    return records
+
+
+def per_step(short, long):
+    """Per rank: (held bytes, {kind: collectives per step}, bytes sent per step) from the two runs' difference."""
+    steps = STEPS[1] - STEPS[0]
+    rows = []
+    for a, b in zip(short, long):
+        kinds = {}
+        for c in b["collectives"]:
+            kinds[c["kind"]] = kinds.get(c["kind"], 0) + 1
+        for c in a["collectives"]:
+            kinds[c["kind"]] = kinds.get(c["kind"], 0) - 1
+        sent = (sum(map(sent_by_ring, b["collectives"])) + sum(b["sends"])
+                - sum(map(sent_by_ring, a["collectives"])) - sum(a["sends"])) / steps
+        sends = (len(b["sends"]) - len(a["sends"])) / steps
+        kinds = {k: v / steps for k, v in kinds.items() if v}
+        if sends:
+            kinds["send (point-to-point)"] = sends
+        rows.append((b["held"], kinds, sent))
+    return rows
+
+
+def measure(name, ranks, data_dir):
+    """One row of the table: the largest rank's held bytes and bytes sent, the collectives per step."""
+    chapter, extra, _, _, _ = ROWS[name]
+    ranks_rows = per_step(*(run(chapter, extra, ranks, s, data_dir) for s in STEPS))
+    held = max((r[0] for r in ranks_rows), key=lambda h: sum(h.values()))
+    kinds = max((r[1] for r in ranks_rows), key=lambda k: sum(k.values()))
+    sent = max(r[2] for r in ranks_rows)
+    return dict(name=name, ranks=ranks, held=held, kinds=kinds, sent=sent)
+
+
+def kib(n):
+    return f"{n / 1024:,.0f}"
+
+
+def table(results):
+    lines = ["| strategy | ranks | weights KiB | gradients KiB | optimizer KiB | collectives per step | sent per step KiB "
+             "| use it when |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        _, _, _, what, when = ROWS[r["name"]]
+        kinds = ", ".join(f"{v:g} {k}" for k, v in sorted(r["kinds"].items())) or "none"
+        h = r["held"]
+        lines.append(f"| {what} | {r['ranks']} | {kib(h['params'])} | {kib(h['grads'])} | {kib(h['optimizer'])} "
+                     f"| {kinds} | {kib(r['sent'])} | {when} |")
+    return "\n".join(lines)
+
+
+def write_into(path, text):
+    """Replace what lies between the two markers in path with text."""
+    doc = Path(path).read_text()
+    pattern = re.compile(re.escape(MARK) + r"\n(?:.*?\n)?" + re.escape(MARK), re.S)
+    if not pattern.search(doc):
+        sys.exit(f"error: {path} has no pair of lines `{MARK}` to write the table between")
+    Path(path).write_text(pattern.sub(lambda m: f"{MARK}\n{text}\n{MARK}", doc))
+
+
+def main():
+    if "--worker" in sys.argv:  # inside one rank of a run
+        p = argparse.ArgumentParser()
+        p.add_argument("--worker")
+        p.add_argument("--record")
+        known, rest = p.parse_known_args()
+        return worker(known.worker, known.record, rest[1:] if rest[:1] == ["--"] else rest)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"rows to measure, of {','.join(ROWS)} (default all)")
+    p.add_argument("--ranks", default=None, help="only these rank counts, e.g. 2 or 2,4 (default: each row's own)")
+    p.add_argument("--data-dir", default=None, help="FashionMNIST folder (default: the chapters' own search)")
+    p.add_argument("--write", metavar="FILE", help="also write the table into FILE between its markers")
+    p.add_argument("--json", metavar="FILE", help="also write the measured numbers as JSON")
+    args = p.parse_args()
+    names = args.rows.split(",")
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        p.error(f"no row named {', '.join(unknown)}; the rows are {', '.join(ROWS)}")
+    only = {int(n) for n in args.ranks.split(",")} if args.ranks else None
+    results = []
+    for name in names:
+        for ranks in ROWS[name][2]:
+            if only is None or ranks in only:
+                results.append(measure(name, ranks, args.data_dir))
+                print(f"measured {name} at {ranks} rank(s)", file=sys.stderr, flush=True)
+    text = table(results)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.write:
+        write_into(args.write, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
