@@ -236,8 +236,6 @@ def check_pipeline_flags(cfg, stages_at_most):
     """pipeline.py's refusals, each one line and exit 2: more stages than the cuts it knows, micro-batches that do
     not split the global batch, flags the pipeline does not take (fp16, --accum-steps, --compile), a torch whose
     pipelining lacks what the chapter uses. First of all, before any rendezvous."""
-    from torch.distributed.pipelining import ScheduleGPipe  # noqa: only here: the other chapters do not need it
-
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > stages_at_most:
         raise UsageError(f"{world_size} ranks but pipeline.py cuts the model into at most {stages_at_most} stages "
@@ -254,8 +252,18 @@ def check_pipeline_flags(cfg, stages_at_most):
     if cfg.compile:
         raise UsageError("pipeline.py takes no --compile: the schedule calls each stage's layers once per micro-batch "
                          "and torch.compile is not part of this chapter; leave --compile out")
+    missing = pipelining_missing()
+    if missing:
+        raise UsageError(missing)
+
+
+def pipelining_missing():
+    """Why this torch cannot run pipeline.py (one line), or None: its schedules must take scale_grads= and have eval()."""
     import inspect
 
-    if "scale_grads" not in inspect.signature(ScheduleGPipe).parameters or not hasattr(ScheduleGPipe, "eval"):
-        raise UsageError(f"pipeline.py needs a torch whose pipeline schedules take scale_grads= and have eval() (2.14.1 "
-                         f"has both); this is torch {torch.__version__}: upgrade torch")
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    if "scale_grads" in inspect.signature(ScheduleGPipe).parameters and hasattr(ScheduleGPipe, "eval"):
+        return None
+    return (f"pipeline.py needs a torch whose pipeline schedules take scale_grads= and have eval() (2.14.1 has both); "
+            f"this is torch {torch.__version__}: upgrade torch")

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 
+from common.config import pipelining_missing
 from common.ranks import free_port
 from conftest import BASE_ENV, REPO, TORCHRUN, load_state, max_abs_diff, one_error_line, run_script
 from test_faults import SLURM_ENV
@@ -39,7 +40,7 @@ def chapter_command(script, out, data, *extra):
     """(argv, extra env) that run `script` at world size 1 on the first GPU, as a user starts each chapter."""
     args = [*SLICE, "--data-dir", data, "--output", out, *extra]
     port = str(free_port())
-    if script == "ddp_launch.py":
+    if script in ("ddp_launch.py", "fsdp.py", "tensor_parallel.py", "pipeline.py"):
         return [*TORCHRUN, "--standalone", "--nproc-per-node", "1", script, *args], {}
     if script == "ddp_mp.py":
         return [sys.executable, script, "--nprocs", "1", *args], {}
@@ -66,7 +67,12 @@ def cuda_reference(real_data, tmp_path_factory):
     return load_state(out / "model.pth")
 
 
-@pytest.mark.parametrize("script", ["single_gpu.py", "ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py"])
+NO_PIPELINING = pipelining_missing()  # the GPU machine's torch may be older than the one the suite runs on
+CHAPTERS = ["single_gpu.py", "ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py", "tensor_parallel.py",
+            pytest.param("pipeline.py", marks=pytest.mark.skipif(bool(NO_PIPELINING), reason=str(NO_PIPELINING)))]
+
+
+@pytest.mark.parametrize("script", CHAPTERS)
 def test_every_chapter_trains_on_cuda(script, real_data, cuda_reference, tmp_path):
     argv, env = chapter_command(script, tmp_path, real_data)
     proc = run(argv, extra_env=env)
@@ -336,13 +342,28 @@ def test_dataparallel_replicas_compute_in_bf16():
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("script", ["ddp_launch.py", "fsdp.py"])
-def test_two_gpus_train_chapter_1s_model(script, real_data, cuda_reference, tmp_path):
+@pytest.mark.parametrize("script,extra", [
+    ("ddp_launch.py", []), ("fsdp.py", []), ("tensor_parallel.py", []),
+    pytest.param("pipeline.py", ["--schedule", "1f1b"], marks=pytest.mark.skipif(bool(NO_PIPELINING), reason=str(NO_PIPELINING))),
+], ids=["ddp_launch.py", "fsdp.py", "tensor_parallel.py", "pipeline.py"])
+def test_two_gpus_train_chapter_1s_model(script, extra, real_data, cuda_reference, tmp_path):
     argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, *SLICE, "--data-dir", real_data, "--output",
-            tmp_path]
+            tmp_path, *extra]
     proc = run(argv, env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1"))
     assert proc.returncode == 0, proc.stderr
     assert len(re.findall(r"device=cuda:[01] backend=nccl world_size=2", proc.stdout)) == 2
     difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))
     print(f"{script} on 2 GPUs vs chapter 1 on one: max |Δ| = {difference:.3e}")
+    assert difference <= SAME_MODEL
+
+
+@pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs: 2-D, 2 data-parallel rows x 2 tensor-parallel ranks")
+def test_four_gpus_train_chapter_1s_model_in_2d(real_data, cuda_reference, tmp_path):
+    argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "4", "tensor_parallel.py", "--dp", "2", *SLICE,
+            "--data-dir", real_data, "--output", tmp_path]
+    proc = run(argv, env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1,2,3"))
+    assert proc.returncode == 0, proc.stderr
+    assert len(re.findall(r"device=cuda:[0-3] backend=nccl world_size=4", proc.stdout)) == 4
+    difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))
+    print(f"tensor_parallel.py --dp 2 on 4 GPUs vs chapter 1 on one: max |Δ| = {difference:.3e}")
     assert difference <= SAME_MODEL

@@ -6,12 +6,14 @@ import time
 
 import pytest
 
+from common.config import pipelining_missing
 from common.metrics import read_metrics
 from conftest import (REPO, SLICE, TORCHRUN, Procs, assert_same_curves, load_state, max_abs_diff, run_script,
                       slice_args)
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV
 
+pytestmark = pytest.mark.skipif(bool(pipelining_missing()), reason=str(pipelining_missing()))  # torch 2.6: refused
 # Measured on torch 2.14.1, 1 thread per rank: 3.7e-9 at 2 and 3 stages, both schedules, on SLICE and on 996 images
 # (a short last step, padded): the micro-batches' gradients are summed in 4 parts where chapter 1 has one batch.
 # A snapshot saved by 2 stages and resumed by 3 (momentum 0.9): measured 0.0, the same steps on the same numbers.
@@ -116,23 +118,38 @@ def test_a_snapshot_of_2_stages_resumes_on_3(real_data, tmp_path, procs):
 
 
 def test_a_stage_whose_peer_stops_answering_ends_within_the_timeout(real_data, tmp_path, procs):
-    """Rank 1 frozen (SIGSTOP) in the middle of training: rank 0 waits for its activations' gradients no longer than
-    --timeout, then stops with one line, and torchrun ends the job (no hang)."""
+    """Rank 1 frozen (SIGSTOP) in the middle of training: rank 0 waits for its peer no longer than --timeout, then
+    stops with one line, and torchrun ends the job (no hang). The frozen rank is let go (SIGCONT) once rank 0 has
+    ended, so that torchrun's SIGTERM reaches it at once rather than its SIGKILL 30 s later."""
     args = [*slice_args(real_data, tmp_path), "--epochs", "50", "--timeout", "10"]
     p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "pipeline.py", *map(str, args)])
     deadline = time.monotonic() + 120
     while not (tmp_path / "metrics.jsonl").exists() or "epoch" not in (tmp_path / "metrics.jsonl").read_text():
         assert time.monotonic() < deadline and p.poll() is None, "the run did not reach its first test"
         time.sleep(0.2)
-    worker = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(int(pid), 1, p.pid))
-    os.kill(worker, signal.SIGSTOP)
+    rank0, rank1 = (next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(int(pid), r, p.pid))
+                    for r in (0, 1))
+    os.kill(rank1, signal.SIGSTOP)
     stopped = time.monotonic()
-    code, out, err = procs.wait(p, timeout=120)
+    while _running(rank0):
+        assert time.monotonic() - stopped < 10 + 20, "rank 0 still waits on its frozen peer"
+        time.sleep(0.1)
     seconds = time.monotonic() - stopped
+    os.kill(rank1, signal.SIGCONT)
+    code, out, err = procs.wait(p, timeout=120)
+    print(f"rank 0 ended {seconds:.1f} s after its peer froze (--timeout 10)")
     assert code != 0 and "Done!" not in out, err
-    assert seconds < 10 + 45, seconds  # --timeout, then torchrun's SIGTERM and, 30 s on, SIGKILL for the frozen rank
+    assert seconds >= 9, seconds  # it did wait for its peer: the timeout, not something else, ended it
     lines = [line for line in err.splitlines() if line.startswith("error: [rank 0]")]
     assert len(lines) == 1, err
+
+
+def _running(pid):
+    """Whether pid is alive and not a zombie."""
+    try:
+        return "\nState:\tZ" not in open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
 
 
 def _is_rank(pid, rank, torchrun_pid):

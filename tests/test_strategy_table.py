@@ -6,7 +6,10 @@ import sys
 
 import pytest
 
+from common.config import pipelining_missing
 from conftest import BASE_ENV, REPO
+
+pytestmark = pytest.mark.skipif(bool(pipelining_missing()), reason=str(pipelining_missing()))  # it runs pipeline.py
 
 MODEL_BYTES = 669_706 * 4  # the quickstart MLP's fp32 weights
 BATCH = 64  # the script's global batch

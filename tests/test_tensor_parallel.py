@@ -2,6 +2,7 @@
 import re
 
 import pytest
+import torch
 
 from common.metrics import read_metrics
 from conftest import REPO, TORCHRUN, Procs, assert_same_curves, load_state, max_abs_diff, run_script, slice_args
@@ -12,7 +13,9 @@ from test_faults import TORCHRUN_ENV
 # Linear's products are summed in tp parts by the all-reduce, chapter 1 sums them in one): the DDP chapters' bound.
 # A snapshot saved at tp 2 and resumed at dp 2 x tp 2: DCP cuts the slices anew, the same steps follow.
 RESHARDED = 1e-6
-SHAPES = [(2, 1), (4, 1), (4, 2)]  # (ranks, --dp): tp 2, tp 4, and 2-D dp 2 x tp 2
+# 2-D needs FSDP2 on the CPU (torch.cpu.Stream.record_event: torch 2.14.1 has it, 2.6.0 does not; the chapter says so)
+FSDP2_HERE = hasattr(torch.cpu.Stream, "record_event")
+SHAPES = [(2, 1), (4, 1), *([(4, 2)] if FSDP2_HERE else [])]  # (ranks, --dp): tp 2, tp 4, and 2-D dp 2 x tp 2
 
 
 def torchrun(world, args, procs, timeout=240):
@@ -52,7 +55,8 @@ def test_tensor_parallel_trains_the_same_model(world, dp, tp_runs, reference):
     assert re.findall(r"Accuracy: [\d.]+%", log) == re.findall(r"Accuracy: [\d.]+%", ref_log)
     assert f"Mesh: {dp} data-parallel group(s) (dp) x {world // dp} ranks splitting each layer (tp)" in log
     assert log.count("Done!") == 1 and sorted(re.findall(r"\[rank (\d+)\] host=", log)) == [str(r) for r in range(world)]
-    assert "Warning" not in err and "Traceback" not in err, err  # torch's two 2-D notices are hidden, nothing else
+    # torch 2.14's two notices for every rank of a 2-D run are hidden (common/ranks.py hide_2d_notices)
+    assert "returned a view tensor" not in err and "sequential all_gather" not in err and "Traceback" not in err, err
 
 
 def held_by_plan(tp, dp):
@@ -80,6 +84,7 @@ def momentum_run(real_data, tmp_path_factory, procs_module):
     return load_state(out / "model.pth"), read_metrics(out)
 
 
+@pytest.mark.skipif(not FSDP2_HERE, reason="2-D needs FSDP2 on the CPU (torch.cpu.Stream.record_event)")
 def test_a_snapshot_saved_at_tp_2_resumes_in_2d(momentum_run, real_data, tmp_path, procs):
     """Epoch 1 at tp 2 with --snapshot, epoch 2 at dp 2 x tp 2: DCP cuts the weights and the momentum anew, and the
     run ends where the uninterrupted one does."""
@@ -99,7 +104,8 @@ def test_a_snapshot_saved_at_tp_2_resumes_in_2d(momentum_run, real_data, tmp_pat
 @pytest.mark.parametrize("flag,env,needle", [
     (["--dp", "3"], TORCHRUN_ENV, "--dp 3 does not divide the 2 ranks"),
     (["--precision", "fp16"], TORCHRUN_ENV, "tensor_parallel.py trains in --precision fp32 or bf16"),
-    (["--batch-size", "63", "--dp", "2"], TORCHRUN_ENV, "split evenly over 2"),
+    pytest.param(["--batch-size", "63", "--dp", "2"], TORCHRUN_ENV, "split evenly over 2",
+                 marks=pytest.mark.skipif(not FSDP2_HERE, reason="--dp 2 is refused first without FSDP2 on the CPU")),
     (["--dp", "0"], TORCHRUN_ENV, "argument --dp: must be a positive integer"),
     (["--nprocs", "2"], TORCHRUN_ENV, "unrecognized arguments"),
     ([], {}, "start this script with torchrun"),
