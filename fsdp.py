@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common.checkpoint import (SHARDED_FIX, StopAtTimeLimit, atomic_save, find_sharded_snapshot,
+from common.checkpoint import (SHARDED_FIX, StopAtTimeLimit, atomic_save, find_sharded_snapshot, flat_optimizer,
                                finish_sharded_snapshot, prepare_output, print_resumed, sharded_snapshot_due,
                                sharded_snapshot_errors)
 from common.config import check_fsdp_flags, parse_config
@@ -123,17 +123,13 @@ def train(cfg, ctx):
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
 
 
-# The optimizer's state flattened to one entry per weight and setting (its momentum, its lr ...): chapter 10's stages
-# hold different weights, and each must find its own settings in a snapshot, whichever stage saved them.
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
 def save_sharded_snapshot(model, optimizer, epochs_done, cfg, ctx):
     """With --snapshot DIR, every --save-every epochs and after the last: DIR/epoch-N, every rank writing its slices."""
     folder = sharded_snapshot_due(epochs_done, cfg)
     if folder is None:
         return
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)  # this rank's slices, plain names
+    # this rank's slices, under the plain names (the optimizer's flattened: common/checkpoint.py says why)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=flat_optimizer())
     with sharded_snapshot_errors(f"cannot write the snapshot {folder}", "free some space or pass another --snapshot"):
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)  # rank 0 adds .metadata
     finish_sharded_snapshot(folder, epochs_done, cfg, ctx)  # rank 0's snapshot.pt makes it count; older ones go
@@ -145,11 +141,12 @@ def load_sharded_snapshot(model, optimizer, cfg, ctx):
     if found is None:
         return 0
     folder, epochs_done, saved_by = found
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=FLAT)  # this rank's slices at this size
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=flat_optimizer())  # slices at this size
     state = {"model": model_state, "optimizer": optimizer_state}
     with sharded_snapshot_errors(f"snapshot {folder} cannot be read", SHARDED_FIX):
         dcp.load(state, checkpoint_id=folder)  # the pieces they need, from every file, however many ranks wrote them
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=FLAT)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=flat_optimizer())
     print_resumed(ctx, f"{folder} (saved by {saved_by} ranks, loaded by {ctx.world_size})", epochs_done, cfg)
     return epochs_done
 

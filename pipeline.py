@@ -55,7 +55,7 @@ def main():
                             device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
     try:
         train(cfg, ctx)  # steps 4 to 7, below
-    finally:  # Step 8, teardown: after an error too; a stage waiting on a peer then stops at once (gloo) or at --timeout
+    finally:  # Step 8, teardown: after an error too; a stage waiting on this one stops at once (gloo) or at --timeout
         dist.destroy_process_group()
 
 

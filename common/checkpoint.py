@@ -169,6 +169,15 @@ def print_resumed(ctx, where, epochs_done, cfg):
 # Chapter 7's sharded snapshots: fsdp.py makes the four torch.distributed.checkpoint calls (get_state_dict, dcp.save,
 # dcp.load, set_state_dict); the folders, the flags file and the errors around them are kept here.
 SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v2"  # v2: the optimizer state flattened
+
+
+def flat_optimizer():
+    """get_state_dict's options for sharded snapshots: the optimizer's state as one entry per weight and setting (its
+    momentum, its lr, ...). Chapter 10's stages hold different weights, and each must find its own settings in a
+    snapshot, whichever stage saved them (unflattened, param_groups list the saving rank's weights)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # a second of imports chapter 1 need not pay
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 SHARDED_FIX = "delete it to start afresh, or pass another --snapshot"
 
 

@@ -157,6 +157,20 @@ def procs():
     ps.close()
 
 
+@pytest.fixture(scope="module")
+def procs_module():
+    """procs for module-scoped fixtures: every process still running at the end of the module is killed."""
+    ps = Procs()
+    yield ps
+    ps.close()
+
+
+def torchrun_script(script, world, args, procs, timeout=240):
+    """script under torchrun --standalone on `world` ranks on this machine: (returncode, stdout, stderr)."""
+    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), script, *map(str, args)])
+    return procs.wait(p, timeout=timeout)
+
+
 def one_error_line(err, *needles):
     """err holds exactly one `error:` line, no traceback, and the line holds every needle."""
     lines = [line for line in err.splitlines() if line.startswith("error:")]

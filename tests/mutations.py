@@ -213,7 +213,7 @@ MUTATIONS = [
         ("common/engine.py", "            real = y != PADDING\n", "            real = y == y\n")),
     bug("pp-optimizer-state-not-flattened", "chapter 10: a snapshot of 2 stages resumes on 3, momentum and all",
         ["tests/test_pipeline.py::test_a_snapshot_of_2_stages_resumes_on_3"],
-        ("fsdp.py", "FLAT = StateDictOptions(flatten_optimizer_state_dict=True)", "FLAT = StateDictOptions()")),
+        ("common/checkpoint.py", "StateDictOptions(flatten_optimizer_state_dict=True)", "StateDictOptions()")),
     bug("table-without-the-ring-factor", "README's strategy table: bytes sent as a ring algorithm sends them",
         ["tests/test_strategy_table.py::test_the_numbers_are_what_each_strategy_must_hold_and_send"],
         ("scripts/strategy_table.py", "return 2 * (n - 1) / n * size(c[\"sizes\"])", "return size(c[\"sizes\"])")),

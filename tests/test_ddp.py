@@ -201,7 +201,8 @@ def test_no_hand_built_store_on_the_default_path():
 # local rank and world size come from, how the processes start, the rendezvous.
 DIFF_BUDGETS = {("single_gpu.py", "ddp_launch.py"): 70, ("ddp_launch.py", "ddp_mp.py"): 45,
                 ("ddp_launch.py", "ddp_tcp_manual.py"): 45, ("ddp_launch.py", "ddp_slurm.py"): 45,
-                ("ddp_launch.py", "fsdp.py"): 90, ("fsdp.py", "tensor_parallel.py"): 120}
+                ("ddp_launch.py", "fsdp.py"): 90, ("fsdp.py", "tensor_parallel.py"): 125,
+                ("ddp_launch.py", "pipeline.py"): 95}
 LESSON_CALLS = ("DistributedSampler(", "DataLoader(", "DDP(", "set_epoch(", "train_one_epoch(", "save_weights(",
                 "locate_fashion_mnist(", "barrier(", "StopAtTimeLimit", "time_limit")
 
@@ -215,7 +216,7 @@ def changed_lines(a, b):
 def test_chapter_diffs_stay_within_their_budget(pair, budget):
     changed = changed_lines(*pair)
     assert len(changed) <= budget, (pair, len(changed), changed)
-    if pair[0] == "ddp_launch.py" and pair[1] != "fsdp.py":  # the launcher's lines only
+    if pair[0] == "ddp_launch.py" and pair[1] not in ("fsdp.py", "pipeline.py"):  # the launcher's lines only
         assert not [line for line in changed if any(call in line for call in LESSON_CALLS)], changed
     if pair[1] == "fsdp.py":  # the four calls of torch.distributed.checkpoint are fsdp.py's own lines
         source = (REPO / "fsdp.py").read_text()

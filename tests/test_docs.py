@@ -36,6 +36,8 @@ NOT_RUN_HERE = [
     (r"10\.0\.0\.1|/shared/", "needs two machines: tests/test_multinode.py runs these on two network namespaces"),
     (r"(^|\s)(sbatch|sinfo|squeue|scontrol)(\s|$)|^cat fmnist-", "needs a SLURM cluster: tests/test_slurm.py submits "
                                                            "job.sh and job_torchrun.sh with the CPU overrides"),
+    (r"scripts/strategy_table\.py", "runs every chapter twice (minutes): tests/test_strategy_table.py runs 5 of its rows "
+                                    "and checks the README's table against them"),
 ]
 SLICE = "--train-samples 960 --test-samples 500"
 # A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).

@@ -6,7 +6,8 @@ import subprocess
 import pytest
 
 from common.metrics import read_metrics
-from conftest import REPO, TORCHRUN, Procs, assert_same_curves, load_state, max_abs_diff, run_script, slice_args
+from conftest import (REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, run_script, slice_args,
+                      torchrun_script)
 from test_faults import TORCHRUN_ENV
 
 # Measured on torch 2.14.1, 1 thread per rank, SLICE's 40 steps: 0 at 1 rank, 3.7e-9 at 2 and 3 ranks (the
@@ -20,8 +21,7 @@ MOMENTUM = ["--momentum", "0.9"]  # the optimizer's state (a velocity per weight
 
 def torchrun(world, args, procs, timeout=180):
     """fsdp.py under torchrun --standalone on `world` ranks: (returncode, stdout, stderr)."""
-    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "fsdp.py", *map(str, args)])
-    return procs.wait(p, timeout=timeout)
+    return torchrun_script("fsdp.py", world, args, procs, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +35,6 @@ def fsdp_runs(real_data, tmp_path_factory, procs_module):
         assert "Traceback" not in err, err
         runs[world] = (out, stdout)
     return runs
-
-
-@pytest.fixture(scope="module")
-def procs_module():
-    """procs for module-scoped fixtures: every process still running at the end of the module is killed."""
-    ps = Procs()
-    yield ps
-    ps.close()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -183,7 +175,7 @@ def test_the_chapter_shows_every_fsdp_line():
                             "dist.destroy_process_group()"])
     assert in_order(train, ["DistributedSampler(", "init_device_mesh(", "fully_shard(layer", "fully_shard(model",
                             "torch.optim.SGD(", "set_epoch(", "get_model_state_dict(", "if ctx.is_main:"])
-    for call in ["get_state_dict(model, optimizer)", "dcp.save(", "dcp.load(", "set_state_dict(model, optimizer"]:
+    for call in ["get_state_dict(model, optimizer", "dcp.save(", "dcp.load(", "set_state_dict(model, optimizer"]:
         assert call in source, call
     diff = subprocess.run(["diff", "ddp_launch.py", "fsdp.py"], cwd=REPO, capture_output=True, text=True).stdout
     assert "DDP(" in diff and "fully_shard(" in diff

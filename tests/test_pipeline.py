@@ -8,8 +8,8 @@ import pytest
 
 from common.config import pipelining_missing
 from common.metrics import read_metrics
-from conftest import (REPO, SLICE, TORCHRUN, Procs, assert_same_curves, load_state, max_abs_diff, run_script,
-                      slice_args)
+from conftest import (REPO, SLICE, TORCHRUN, assert_same_curves, load_state, max_abs_diff, run_script, slice_args,
+                      torchrun_script)
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV
 
@@ -27,16 +27,7 @@ HELD = {2: [LINEAR_BYTES[0], LINEAR_BYTES[1] + LINEAR_BYTES[2]], 3: LINEAR_BYTES
 
 def torchrun(world, args, procs, timeout=240):
     """pipeline.py under torchrun --standalone on `world` ranks: (returncode, stdout, stderr)."""
-    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "pipeline.py", *map(str, args)])
-    return procs.wait(p, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def procs_module():
-    """procs for module-scoped fixtures: every process still running at the end of the module is killed."""
-    ps = Procs()
-    yield ps
-    ps.close()
+    return torchrun_script("pipeline.py", world, args, procs, timeout)
 
 
 @pytest.fixture(scope="module")

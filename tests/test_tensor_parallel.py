@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.metrics import read_metrics
-from conftest import REPO, TORCHRUN, Procs, assert_same_curves, load_state, max_abs_diff, run_script, slice_args
+from conftest import REPO, assert_same_curves, load_state, max_abs_diff, run_script, slice_args, torchrun_script
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV
 
@@ -20,16 +20,7 @@ SHAPES = [(2, 1), (4, 1), *([(4, 2)] if FSDP2_HERE else [])]  # (ranks, --dp): t
 
 def torchrun(world, args, procs, timeout=240):
     """tensor_parallel.py under torchrun --standalone on `world` ranks: (returncode, stdout, stderr)."""
-    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "tensor_parallel.py", *map(str, args)])
-    return procs.wait(p, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def procs_module():
-    """procs for module-scoped fixtures: every process still running at the end of the module is killed."""
-    ps = Procs()
-    yield ps
-    ps.close()
+    return torchrun_script("tensor_parallel.py", world, args, procs, timeout)
 
 
 @pytest.fixture(scope="module")
