@@ -23,6 +23,7 @@ Each rank writes one JSON file; the table shows the largest rank's numbers (pipe
 """
 import argparse
 import json
+import math
 import os
 import pickle
 import re
@@ -123,7 +124,7 @@ def worker(chapter, out, args):
 def sent_by_ring(c):
     """Bytes one rank sends for one recorded collective, as a ring algorithm moves them."""
     n = c["ranks"]
-    size = lambda shapes: sum(_numel(s) * DTYPE_BYTES.get(d, 4) for s, d in zip(shapes, c["dtypes"]))
+    size = lambda shapes: sum(math.prod(s) * DTYPE_BYTES.get(d, 4) for s, d in zip(shapes, c["dtypes"]))
     if n < 2:
         return 0
     if c["kind"] in ("all_reduce", "allreduce"):
@@ -135,13 +136,6 @@ def sent_by_ring(c):
     if c["kind"] == "broadcast":
         return size(c["sizes"])
     return 0
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def run(chapter, extra, ranks, steps, data_dir):
