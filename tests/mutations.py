@@ -220,6 +220,20 @@ MUTATIONS = [
     bug("table-p2p-not-counted", "README's strategy table: the pipeline's sends are counted",
         ["tests/test_strategy_table.py::test_the_numbers_are_what_each_strategy_must_hold_and_send"],
         ("scripts/strategy_table.py", "    dist.P2POp = CountedP2POp\n", "")),
+    bug("link-shaped-one-way", "scaling: each direction of the two machines' link carries no more than its rate",
+        ["tests/test_scaling.py::test_a_shaped_link_is_no_faster_than_its_rate"],
+        ("scripts/netns.py", "        for ns in self.ns.values():\n            subprocess.run([\"ip\", \"netns\", \"exec\", ns, \"tc\"",
+         "        for ns in list(self.ns.values())[:1]:\n            subprocess.run([\"ip\", \"netns\", \"exec\", ns, \"tc\"")),
+    bug("scaling-adds-overlapping-collectives", "scaling: communication is the time on the link, not the sum of "
+        "collectives running at once", ["tests/test_scaling.py::test_scaling_times_the_communication_on_the_link"],
+        ("scripts/scaling.py", "        a, b = max(a, reach), min(b, end)", "        a, b = max(a, start), min(b, end)")),
+    bug("scaling-compute-from-the-two-rank-run", "scaling: compute is the step at world size 1; the rest is waiting",
+        ["tests/test_scaling.py::test_scaling_times_the_communication_on_the_link"],
+        ("scripts/scaling.py", 'compute = median(alone[name]["steps"])', "compute = step")),
+    bug("scaling-all-gather-counts-its-input", "scaling: an all-gather brings every other rank's piece",
+        ["tests/test_scaling.py::test_scaling_counts_the_bytes_each_strategy_sends"],
+        ("scripts/scaling.py", 'gathered = [ranks * math.prod(shape)] if kind == "all_gather" else shape',
+         "gathered = shape")),
 
     # --- The GPU path, played on the CPU ---
     bug("every-rank-downloads", "the ranks of one machine fetch the data once",

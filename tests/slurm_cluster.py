@@ -1,6 +1,6 @@
 """A real SLURM cluster (munged + slurmctld + one slurmd per node) in a temporary directory, for tests.
 
-LocalSlurm is one node on 127.0.0.1; TwoNodeSlurm is two nodes, each a network namespace of tests/netns.py with
+LocalSlurm is one node on 127.0.0.1; TwoNodeSlurm is two nodes, each a network namespace of scripts/netns.py with
 its own address and host name (nodea runs slurmctld too).
 """
 import getpass
@@ -488,7 +488,7 @@ class TwoNodeSlurm(LocalSlurm):
     """
 
     def __init__(self, workdir, net, **kwargs):
-        from netns import NODES
+        from scripts.netns import NODES
 
         super().__init__(workdir, **kwargs)
         self.net = net

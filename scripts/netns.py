@@ -1,13 +1,19 @@
 """Two machines on one: network namespaces joined by a veth pair, each with its own address and host name.
 
     with TwoMachines() as net:                       # nodea 10.77.0.1 and nodeb 10.77.0.2, interface eth1 on each
-        p = procs.start(net.command("nodea", ["python", "ddp_tcp_manual.py", ...]))   # conftest's Procs
+        p = procs.start(net.command("nodea", ["python", "ddp_tcp_manual.py", ...]))   # the tests' Procs
+        net.shape("100mbit")                         # the link now carries 100 Mbit/s each way (None: unlimited)
 
 Each node is a namespace with loopback and eth1 (the two ends of one veth pair), its own /etc/hosts (through
 /etc/netns/NAME/hosts, which `ip netns exec` mounts over /etc/hosts) naming both nodes, and its own host name
 (`unshare --uts`), so torch sees two machines: different host names, different addresses, one network. Traffic
 stays between the two namespaces. Both are removed on exit; the processes belong to whoever started them (the
-`procs` fixture kills them). Needs root and iproute2.
+tests' `procs` fixture kills them). Needs root and iproute2.
+
+shape(rate) puts a token bucket (`tc qdisc ... tbf`) on eth1 in both namespaces: a qdisc shapes what leaves an
+interface, so one on each end limits each direction of the link to the rate. Only the rate: netem, the qdisc that
+adds delay, is a kernel module that not every kernel has (this project's machine has none), so a shaped link here is
+a slow one, not a distant one.
 """
 import os
 import shutil
@@ -32,10 +38,25 @@ def why_not():
     return None if made.returncode == 0 else f"cannot make a network namespace: {made.stderr.strip()}"
 
 
-def _ip(*args):
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+def _run(cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
+
+
+def _ip(*args):
+    _run(["ip", *args])
+
+
+UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def tc_bits(rate):
+    """Bits per second of a tc rate such as "10mbit" (tc's SI units: 1 mbit is 10**6 bit/s)."""
+    for unit, scale in UNITS.items():
+        if rate.endswith(unit):
+            return int(float(rate[:-len(unit)]) * scale)
+    raise ValueError(f"{rate!r} is not a rate like 10mbit, 100mbit or 1gbit")
 
 
 class TwoMachines:
@@ -88,6 +109,18 @@ class TwoMachines:
         """cmd as it runs on node: in its namespace, under its own host name."""
         return ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "sh", "-c",
                 f'hostname {node} && exec "$@"', "sh", *map(str, cmd)]
+
+    def shape(self, rate):
+        """Limit each direction of the link to rate (tc's units: "10mbit", "1gbit"); None takes the limit away."""
+        for ns in self.ns.values():
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", IFNAME, "root"], capture_output=True)
+            if rate is not None:
+                # burst: the bytes that may leave at once, at least one tick of the kernel's timer at this rate (up
+                # to 1 ms) and at least a few full-size packets; latency: how long a packet may wait in the queue
+                # before it is dropped (then TCP sends it again, slower).
+                burst = max(32 * 1024, tc_bits(rate) // 8 // 1000)
+                _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate,
+                      "burst", str(burst), "latency", "50ms"])
 
     def close(self):
         for ns in self.ns.values():

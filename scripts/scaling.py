@@ -1,0 +1,427 @@
+"""Why is DDP slower than one process? Two machines on a link of a known rate, each step split into compute and
+communication, and the communication against the least time the link allows.
+
+    python scripts/scaling.py                                   # the sweep (about 4 minutes on 2 CPU cores)
+    python scripts/scaling.py --json runs/scaling.json --png docs/scaling.png
+    python scripts/scaling.py --rows ddp --rates 10mbit,100mbit # some of it
+    python scripts/scaling.py --from-json runs/scaling.json --png docs/scaling.png   # the table and chart again
+
+Needs root and iproute2: the two machines are network namespaces joined by a veth pair (scripts/netns.py), one
+rank on each, and `tc qdisc ... tbf` on both ends limits each direction of the link to the rate. tbf shapes the
+rate only: netem, which adds delay, is not in every kernel (not in this project's), so the link is slow, not far.
+
+Each run is a chapter unchanged, under torchrun on both machines (nodea hosts the rendezvous), on the CPU with gloo
+and one thread per rank, for WARMUP optimizer steps and then STEPS measured ones. Inside every rank:
+- step: the time of the measured steps (an optimizer step hook marks them), per step;
+- communication: the time gloo's threads spent in collectives, from torch's profiler (its gloo:* events, each
+  timed on the thread that ran it), the union of those intervals, per step;
+- bytes: the sizes of the same events (record_shapes), counted as a ring algorithm sends them (2(n-1)/n of an
+  all-reduce, scripts/strategy_table.py's rule), per rank and step. gloo runs FSDP2's reduce-scatter as an
+  all-reduce of the whole tensor, so its bytes are an all-reduce's.
+Then, per run:
+- compute: the step time of the same chapter at world size 1 with the same per-rank batch (a run on its own);
+- exposed: step - compute, the time the step waited for the network; hidden: communication - exposed, what ran
+  while the rank computed (DDP launches a bucket's all-reduce as soon as its gradients are ready);
+- floor: the ring's bytes over the link's rate: no all-reduce can take less; measured communication / floor says
+  how close gloo comes to the link's limit.
+
+Why the profiler, not DDP's own timing (DDP._get_ddp_logging_data()): it times FSDP2's collectives too, so every
+row is measured the same way; it sees DDP's two buckets run at once on gloo's two threads (their union, not their
+sum, is the time on the link); and DDP's averages start at the first iteration, warm-up included, and skip the
+no_sync micro-batches of --accum-steps.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import runpy
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python scripts/scaling.py` puts scripts/, not the repo root, on sys.path
+
+from common.errors import FatalError, run_main  # noqa: E402
+from scripts.netns import IFNAME, NODES, TwoMachines, tc_bits, why_not  # noqa: E402
+from scripts.strategy_table import sent_by_ring  # noqa: E402
+
+WARMUP = 3  # optimizer steps before the measurement (allocations, the buckets' first all-reduces)
+STEPS = {None: 10, "unlimited": 10, "1gbit": 10, "100mbit": 5, "10mbit": 5}  # measured, per link (None: alone)
+BATCH = 1024  # global batch: 512 images per rank, enough compute per step to hide some communication behind
+RATES = {"unlimited": None, "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
+ROWS = {  # name: (chapter, its flags, global batch, DDP's bucket_cap_mb or None, link rates, what it is, short)
+    "single": ("single_gpu.py", [], BATCH, None, (), "chapter 1, one process", "chapter 1"),
+    "ddp": ("ddp_launch.py", [], BATCH, None, tuple(RATES), "DDP (chapter 3)", "DDP"),
+    "accum": ("ddp_launch.py", ["--accum-steps", "4"], 4 * BATCH, None, tuple(RATES),
+              "DDP, --accum-steps 4, 4x the batch", "DDP\naccum 4"),
+    "bucket25": ("ddp_launch.py", [], BATCH, 25, ("1gbit", "100mbit"), "DDP, one bucket (bucket_cap_mb=25)",
+                 "DDP\n1 bucket"),
+    "fsdp": ("fsdp.py", [], BATCH, None, tuple(RATES), "FSDP2 (chapter 7)", "FSDP2"),
+}
+FLOOR_GOAL = 1.25  # measured communication / floor, for DDP at 10 and 100 Mbit/s
+PORT = "29500"
+
+
+# --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
+
+def union_seconds(intervals, start, end):
+    """Seconds of [start, end] covered by at least one of the (a, b) intervals."""
+    covered, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered
+
+
+PROFILER_DTYPES = {"float": "Float", "c10::BFloat16": "BFloat16", "c10::Half": "Half", "double": "Double"}
+
+
+def as_collective(event, ranks):
+    """One of gloo's collectives as the profiler saw it, in the form of strategy_table's records (for sent_by_ring)."""
+    shape = (event.input_shapes or [[]])[0]
+    dtype = PROFILER_DTYPES.get((getattr(event, "input_dtypes", None) or ["float"])[0], "Float")
+    kind = event.name.split(":", 1)[1]
+    gathered = [ranks * math.prod(shape)] if kind == "all_gather" else shape  # its input is this rank's piece
+    return dict(kind=kind, ranks=ranks, sizes=[shape], out_sizes=[gathered], dtypes=[dtype])
+
+
+def worker(chapter, out, bucket_cap_mb, measured, args):
+    """Run chapter with args in this process; measure `measured` optimizer steps after WARMUP; out/<rank>.json."""
+    import torch
+    import torch.distributed as dist
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import common.errors
+
+    if bucket_cap_mb is not None:  # the chapter's DDP(...) with another bucket size, its file unchanged
+        ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
+
+        def init_with_bucket(self, *a, **kw):
+            ddp_init(self, *a, **dict(kw, bucket_cap_mb=bucket_cap_mb))
+
+        torch.nn.parallel.DistributedDataParallel.__init__ = init_with_bucket
+
+    profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    steps, record = [0], {}
+
+    def after_step(optimizer, *_):
+        steps[0] += 1
+        if steps[0] == WARMUP:
+            record["ranks"] = dist.get_world_size() if dist.is_initialized() else 1
+            profiler.start()
+        if WARMUP <= steps[0] <= WARMUP + measured:
+            with record_function("scaling:step"):  # the steps' ends, on the profiler's own clock
+                pass
+        if steps[0] == WARMUP + measured:
+            profiler.stop()
+
+    register_optimizer_step_post_hook(after_step)
+    end = common.errors.end_process
+
+    def write_then_end(code):
+        if code == 0 and steps[0] < WARMUP + measured:
+            print(f"error: {chapter} made {steps[0]} optimizer steps; the measurement needs {WARMUP + measured}",
+                  file=sys.stderr)
+            code = 1
+        if code == 0:
+            events = profiler.events()
+            ends = sorted(e.time_range.start / 1e6 for e in events if e.name == "scaling:step")
+            ranks = record["ranks"]
+            gloo = [e for e in events if e.name.startswith("gloo:") and e.time_range.start / 1e6 < ends[-1]]
+            spans = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in gloo]
+            Path(out, f"{os.environ.get('RANK', '0')}.json").write_text(json.dumps(dict(
+                steps=[b - a for a, b in zip(ends, ends[1:])],
+                communication=[union_seconds(spans, a, b) for a, b in zip(ends, ends[1:])], ranks=ranks,
+                ring_bytes=sum(sent_by_ring(as_collective(e, ranks)) for e in gloo) / measured)))
+        end(code)
+
+    common.errors.end_process = write_then_end
+    sys.argv = [chapter, *args]
+    runpy.run_path(str(REPO / chapter), run_name="__main__")
+
+
+# --- The driver ---
+
+def chapter_args(batch, flags, out, data_dir, steps):
+    """The chapter's flags for a run of WARMUP + steps optimizer steps of `batch` images, one epoch, one test batch."""
+    return [*flags, "--batch-size", str(batch), "--train-samples", str((WARMUP + steps) * batch),
+            "--test-samples", str(BATCH),
+            "--epochs", "1", "--log-every", "100000", "--device", "cpu", "--output", str(out),
+            *(["--data-dir", str(data_dir)] if data_dir else [])]
+
+
+def collect(out, ranks, procs, what):
+    """Wait for procs (a run's launchers); every rank's measurement, or FatalError with the run's last lines."""
+    failed = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise FatalError(f"{what} did not finish in 600 s") from None
+        if p.returncode:
+            failed.append(err)
+    if failed:
+        raise FatalError(f"{what} failed:\n" + "\n".join(err[-2500:] for err in failed))
+    records = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
+    if len(records) != ranks:
+        raise FatalError(f"{what} left {len(records)} measurements for {ranks} ranks")
+    return records
+
+
+def worker_command(chapter, out, bucket_cap_mb, steps):
+    return [str(Path(__file__).resolve()), "--worker", chapter, "--record", str(out), "--steps", str(steps),
+            *(["--bucket-cap-mb", str(bucket_cap_mb)] if bucket_cap_mb is not None else []), "--"]
+
+
+def env(**more):
+    # One thread per rank: the two "machines" share this machine's cores, as the world-size-1 run has one.
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+                PYTHONUNBUFFERED="1", **more)
+
+
+def run_alone(name, data_dir, tmp):
+    """A row's chapter at world size 1 with the per-rank batch of its 2-rank runs (chapter 1: the whole batch)."""
+    chapter, flags, batch, bucket = ROWS[name][:4]
+    out = Path(tempfile.mkdtemp(prefix=f"{name}-alone-", dir=tmp))
+    if chapter == "single_gpu.py":
+        launcher = [sys.executable]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+        batch //= 2
+    cmd = [*launcher, *worker_command(chapter, out, bucket, STEPS[None]),
+           *chapter_args(batch, flags, out / "run", data_dir, STEPS[None])]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return collect(out, 1, [proc], f"{chapter} at world size 1")[0]
+
+
+def tcp_counters(net):
+    """TCP's segments sent again, and the timeouts among them, on both machines so far (their own /proc/net)."""
+    total = dict(RetransSegs=0, TCPTimeouts=0)
+    for ns in net.ns.values():
+        text = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp", "/proc/net/netstat"],
+                              capture_output=True, text=True).stdout.splitlines()
+        for names, values in zip(text[::2], text[1::2]):  # "Tcp: name name ..." then "Tcp: value value ..."
+            for key, value in zip(names.split()[1:], values.split()[1:]):
+                if key in total:
+                    total[key] += int(value)
+    return total
+
+
+def run_on_two(name, rate, net, data_dir, tmp):
+    """A row's chapter with one rank on each machine, over the link as it is shaped now."""
+    chapter, flags, batch, bucket = ROWS[name][:4]
+    out = Path(tempfile.mkdtemp(prefix=f"{name}-two-", dir=tmp))
+    procs = []
+    for i, node in enumerate(NODES):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--node-rank", str(i), "--master-addr", NODES["nodea"], "--master-port", PORT,
+               *worker_command(chapter, out, bucket, STEPS[rate]),
+               *chapter_args(batch, flags, out / "run", data_dir, STEPS[rate])]
+        procs.append(subprocess.Popen(net.command(node, cmd), cwd=REPO, env=env(GLOO_SOCKET_IFNAME=IFNAME), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    records = collect(out, 2, procs, f"{chapter} on two machines")
+    return records
+
+
+def measure(rows, rates, data_dir):
+    """Every chosen run: {"alone": {row: record}, "runs": [one dict per row and rate]}."""
+    reason = why_not()
+    if reason:
+        raise FatalError(f"cannot make the two machines: {reason}")
+    chosen = [(name, rate) for name in rows for rate in ROWS[name][4] if rate in rates]
+    alone, runs = {}, []
+    with tempfile.TemporaryDirectory(prefix="scaling-") as tmp, TwoMachines() as net:
+        for name in rows:
+            alone[name] = run_alone(name, data_dir, tmp)
+            print(f"measured {name} at world size 1", file=sys.stderr, flush=True)
+        for rate in rates:
+            try:
+                net.shape(RATES[rate] and rate)
+            except RuntimeError as e:
+                raise FatalError(f"cannot shape the link to {RATES[rate]} with tc's tbf: {e}") from None
+            for name in [n for n, r in chosen if r == rate]:
+                before = tcp_counters(net)
+                records = run_on_two(name, rate, net, data_dir, tmp)
+                after = tcp_counters(net)
+                runs.append(dict(row=name, rate=rate, ranks=records,
+                                 tcp={key: after[key] - before[key] for key in after}))
+                print(f"measured {name} at {rate}", file=sys.stderr, flush=True)
+    return dict(alone=alone, runs=runs)
+
+
+def derive(measured):
+    """Per run: step, compute, communication (hidden + exposed), floor, images/s, against chapter 1."""
+    alone = measured["alone"]
+    single = alone.get("single")
+    results = []
+    for run in measured["runs"]:
+        name, rate, ranks = run["row"], run["rate"], run["ranks"]
+        batch = ROWS[name][2]
+        step = median(s for r in ranks for s in r["steps"])
+        communication = median(c for r in ranks for c in r["communication"])
+        compute = median(alone[name]["steps"])
+        exposed = min(max(step - compute, 0.0), communication)
+        ring = max(r["ring_bytes"] for r in ranks)
+        floor = ring * 8 / tc_bits(rate) if RATES[rate] else None
+        images_per_s = batch / step
+        results.append(dict(
+            row=name, rate=rate, batch=batch, step=step, compute=compute, communication=communication,
+            exposed=exposed, hidden=communication - exposed, other=max(step - compute - exposed, 0.0),
+            ring_bytes=ring, floor=floor, over_floor=communication / floor if floor else None,
+            images_per_s=images_per_s, resent=run["tcp"]["RetransSegs"], timeouts=run["tcp"]["TCPTimeouts"],
+            vs_single=images_per_s / (ROWS["single"][2] / median(single["steps"])) if single else None))
+    return results
+
+
+def ms(seconds):
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
+def times(ratio):
+    return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def kib(nbytes):
+    return "-" if nbytes is None else f"{nbytes / 1024:,.0f}"
+
+
+def table(results, measured):
+    """The results as a Markdown table, chapter 1's row first."""
+    lines = ["| strategy | link | images/step | step ms | compute ms | communication ms | hidden ms | exposed ms "
+             "| ring KiB/step | floor ms | comm / floor | TCP resent (timeouts) | images/s | vs chapter 1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    single = measured["alone"].get("single")
+    if single:
+        step = median(single["steps"])
+        lines.append(f"| {ROWS['single'][5]} | none | {ROWS['single'][2]} | {ms(step)} | {ms(step)} | - | - | - | - | - "
+                     f"| - | - | {ROWS['single'][2] / step:,.0f} | 1.00 |")
+    for r in results:
+        lines.append(
+            f"| {ROWS[r['row']][5]} | {RATES[r['rate']] or r['rate']} | {r['batch']} | {ms(r['step'])} | "
+            f"{ms(r['compute'])} | {ms(r['communication'])} | {ms(r['hidden'])} | {ms(r['exposed'])} | "
+            f"{kib(r['ring_bytes'])} | {ms(r['floor'])} | {times(r['over_floor'])} | {r['resent']} "
+            f"({r['timeouts']}) | {r['images_per_s']:,.0f} | {times(r['vs_single'])} |")
+    return "\n".join(lines)
+
+
+def checks(results):
+    """The goal: DDP's measured communication within FLOOR_GOAL of the floor at 10 and 100 Mbit/s (a report)."""
+    lines = []
+    for r in results:
+        if r["row"] == "ddp" and r["rate"] in ("10mbit", "100mbit"):
+            ok = r["over_floor"] <= FLOOR_GOAL
+            lines.append(f"{'PASS' if ok else 'FAIL'}: DDP's communication at {RATES[r['rate']]} is "
+                         f"{r['over_floor']:.2f}x its floor ({ms(r['communication'])} ms against {ms(r['floor'])} ms;"
+                         f" goal <= {FLOOR_GOAL}x)")
+    return lines
+
+
+def chart(results, measured, path):
+    """Per link rate, a panel of stacked bars: compute, hidden and exposed communication per 1,000 images."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise FatalError("--png needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [rate for rate in RATES if any(r["rate"] == rate for r in results)]
+    single = measured["alone"].get("single")
+    fig, axes = plt.subplots(1, len(rates), figsize=(3.3 * len(rates) + 1, 4.6), dpi=90, squeeze=False)
+    per_k = lambda r, s: s * 1000 / r["batch"]  # seconds per 1,000 images
+    for ax, rate in zip(axes[0], rates):
+        here = [r for r in results if r["rate"] == rate]
+        x = range(len(here))
+        alone = [per_k(r, r["compute"] - min(r["hidden"], r["compute"])) for r in here]
+        hidden = [per_k(r, min(r["hidden"], r["compute"])) for r in here]
+        exposed = [per_k(r, r["exposed"] + r["other"]) for r in here]
+        ax.bar(x, alone, color="tab:blue", label="compute")
+        ax.bar(x, hidden, bottom=alone, color="tab:blue", hatch="///", edgecolor="white",
+               label="compute, communication hidden behind it")
+        ax.bar(x, exposed, bottom=[a + h for a, h in zip(alone, hidden)], color="tab:red",
+               label="exposed communication (the step waits)")
+        if single:
+            ax.axhline(median(single["steps"]) * 1000 / ROWS["single"][2], color="black", ls="--", lw=1,
+                       label="chapter 1, one process")
+        ax.set_xticks(list(x), [ROWS[r["row"]][6] for r in here], fontsize=8)
+        ax.set_title(f"link: {RATES[rate] or rate}", fontsize=10)
+        for i, r in enumerate(here):
+            if r["over_floor"]:
+                ax.text(i, alone[i] + hidden[i] + exposed[i], f"{r['over_floor']:.2f}x\nfloor", ha="center",
+                        va="bottom", fontsize=7)
+        ax.margins(y=0.15)
+    axes[0][0].set_ylabel("seconds per 1,000 images (lower is better)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle("Two machines, one rank each (gloo, 1 CPU thread per rank), global batch "
+                 f"{BATCH} ({4 * BATCH} with --accum-steps 4); 'x floor': communication / (ring bytes / link rate)",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    print(f"Wrote {path}")
+
+
+def report(measured, args):
+    results = derive(measured)
+    env_ = measured.get("environment", {})
+    print(f"\nTwo machines (network namespaces), one rank each, gloo, 1 thread per rank; the median of 5-10 steps after "
+          f"{WARMUP}; torch {env_.get('torch')}, {env_.get('cpu_count')} cores\n")
+    print(table(results, measured))
+    print()
+    for line in checks(results):
+        print(line)
+    if args.png:
+        chart(results, measured, args.png)
+
+
+def main():
+    if "--worker" in sys.argv:  # inside one rank of a run
+        p = argparse.ArgumentParser()
+        p.add_argument("--worker")
+        p.add_argument("--record")
+        p.add_argument("--bucket-cap-mb", type=float, default=None)
+        p.add_argument("--steps", type=int)
+        known, rest = p.parse_known_args()
+        return worker(known.worker, known.record, known.bucket_cap_mb, known.steps,
+                      rest[1:] if rest[:1] == ["--"] else rest)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {','.join(ROWS)} (default all)")
+    p.add_argument("--rates", default=",".join(RATES), help=f"link rates, of {','.join(RATES)} (default all)")
+    p.add_argument("--data-dir", default=None, help="FashionMNIST folder (default: the chapters' own search)")
+    p.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    p.add_argument("--png", metavar="PATH", help="also draw the chart (needs matplotlib)")
+    p.add_argument("--from-json", metavar="PATH", help="run nothing: the table and chart of a saved --json file")
+    args = p.parse_args()
+    if args.from_json:
+        try:
+            measured = json.loads(Path(args.from_json).read_text())
+        except (OSError, ValueError) as e:
+            raise FatalError(f"cannot read {args.from_json}: {e}") from None
+        return report(measured, args)
+    rows, rates = args.rows.split(","), args.rates.split(",")
+    for given, known, flag in ((rows, ROWS, "--rows"), (rates, RATES, "--rates")):
+        unknown = [g for g in given if g not in known]
+        if unknown:
+            p.error(f"{flag}: no {', '.join(unknown)}; choose from {', '.join(known)}")
+    import torch
+    measured = measure(rows, [r for r in RATES if r in rates], args.data_dir)
+    measured["environment"] = dict(torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
+                                   node=platform.node())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(measured, indent=1) + "\n")
+    report(measured, args)
+
+
+if __name__ == "__main__":
+    run_main(main)
