@@ -38,6 +38,8 @@ NOT_RUN_HERE = [
                                                            "job.sh and job_torchrun.sh with the CPU overrides"),
     (r"scripts/strategy_table\.py", "runs every chapter twice (minutes): tests/test_strategy_table.py runs 5 of its rows "
                                     "and checks the README's table against them"),
+    (r"scripts/scaling\.py", "needs root and network namespaces, and the sweep takes minutes: tests/test_scaling.py runs "
+                              "its DDP and FSDP2 rows at 100 Mbit/s and checks their numbers"),
 ]
 SLICE = "--train-samples 960 --test-samples 500"
 # A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).
