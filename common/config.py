@@ -209,7 +209,8 @@ def check_fsdp_flags(cfg, script="fsdp.py", sharded_over=None):
         raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {ranks} ranks: under FSDP every "
                          f"rank must run every test batch (forward() gathers the weights); use at least {ranks}")
     on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
-    if on_cpu and ranks > 1 and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
+    fsdp2 = sharded_over is None or sharded_over > 1  # fsdp.py shards even over one rank; tensor_parallel.py at --dp 2+
+    if on_cpu and fsdp2 and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
         raise UsageError(f"{script} on the CPU needs a torch whose FSDP2 runs on CPU streams (torch.cpu.Stream."
                          f"record_event; 2.14.1 has it, 2.6.0 does not); this is torch {torch.__version__}: upgrade "
                          f"torch, or run {script} on GPUs")

@@ -220,6 +220,9 @@ MUTATIONS = [
     bug("table-p2p-not-counted", "README's strategy table: the pipeline's sends are counted",
         ["tests/test_strategy_table.py::test_the_numbers_are_what_each_strategy_must_hold_and_send"],
         ("scripts/strategy_table.py", "    dist.P2POp = CountedP2POp\n", "")),
+    bug("fsdp-cpu-check-skips-one-rank", "fsdp.py on a torch whose FSDP2 cannot run on the CPU stops in one line, "
+        "one rank too", ["tests/test_config.py::test_fsdp_on_a_torch_without_cpu_stream_events_is_one_line[1]"],
+        ("common/config.py", "fsdp2 = sharded_over is None or sharded_over > 1", "fsdp2 = ranks > 1")),
     bug("link-shaped-one-way", "scaling: each direction of the two machines' link carries no more than its rate",
         ["tests/test_scaling.py::test_a_shaped_link_is_no_faster_than_its_rate"],
         ("scripts/netns.py", "        for ns in self.ns.values():\n            subprocess.run([\"ip\", \"netns\", \"exec\", ns, \"tc\"",

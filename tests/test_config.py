@@ -34,3 +34,17 @@ def test_bad_flag_is_one_line_and_exit_2(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error:" in err
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_fsdp_on_a_torch_without_cpu_stream_events_is_one_line(world_size, monkeypatch):
+    """FSDP2 on the CPU times its gathers with torch.cpu.Stream.record_event (torch 2.6 has none): fsdp.py refuses at
+    any world size, one rank included (it shards over that one rank too); tensor_parallel.py only where it uses FSDP2
+    (--dp above 1)."""
+    from common.config import UsageError, check_fsdp_flags, check_tensor_parallel_flags
+
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    monkeypatch.delattr(torch.cpu.Stream, "record_event", raising=False)
+    with pytest.raises(UsageError, match=r"fsdp\.py on the CPU needs a torch whose FSDP2 runs on CPU streams"):
+        check_fsdp_flags(parse_config(["--device", "cpu"]))
+    check_tensor_parallel_flags(parse_config(["--device", "cpu"], chapter_flags=("dp",)))  # tp alone: no FSDP2
