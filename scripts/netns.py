@@ -114,16 +114,26 @@ class TwoMachines:
     def shape(self, rate):
         """Limit each direction of the link to rate (tc's units: "10mbit", "1gbit"); None takes the limit away."""
         for ns in self.ns.values():
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", IFNAME, "root"], capture_output=True)
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", IFNAME, "root"],
+                           capture_output=True)
             if rate is not None:
                 # burst: the bytes that may leave at once, at least one tick of the kernel's timer at this rate (up
                 # to 1 ms) and at least a few full-size packets. limit: the queue, 4 MiB, room for what TCP lets a
                 # connection queue (net.ipv4.tcp_limit_output_bytes, 4 MiB here), so TCP waits for the link, as
-                # behind a slow card of its own, instead of losing packets: with a 50 ms queue, runs at 10 Mbit/s
-                # resent 15,000-270,000 segments, and DDP's communication varied from 1.12 to 1.26x its floor.
+                # behind a slow card of its own, instead of losing packets: with a 50 ms queue, every run of DDP at
+                # 10 Mbit/s lost some (reno resent about 200 segments a run, BBR 15,000-24,000).
                 burst = max(32 * 1024, tc_bits(rate) // 8 // 1000)
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate,
                       "burst", str(burst), "limit", str(QUEUE)])
+
+    def congestion_control(self, name=None):
+        """TCP's congestion control on both nodes: set it to name first, if given; the name in use. A namespace takes
+        only the algorithms the host allows (net.ipv4.tcp_allowed_congestion_control); it starts with the host's."""
+        for ns in self.ns.values():
+            if name is not None:
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", f"net.ipv4.tcp_congestion_control={name}"])
+        return subprocess.run(["ip", "netns", "exec", self.ns["nodea"], "sysctl", "-n",
+                               "net.ipv4.tcp_congestion_control"], capture_output=True, text=True).stdout.strip()
 
     def close(self):
         for ns in self.ns.values():
