@@ -129,8 +129,8 @@ class TwoMachines:
     def congestion_control(self, name=None):
         """TCP's congestion control on both nodes: set it to name first, if given; the name in use. A namespace takes
         only the algorithms the host allows (net.ipv4.tcp_allowed_congestion_control); it starts with the host's."""
-        for ns in self.ns.values():
-            if name is not None:
+        if name is not None:
+            for ns in self.ns.values():
                 _run(["ip", "netns", "exec", ns, "sysctl", "-q", f"net.ipv4.tcp_congestion_control={name}"])
         return subprocess.run(["ip", "netns", "exec", self.ns["nodea"], "sysctl", "-n",
                                "net.ipv4.tcp_congestion_control"], capture_output=True, text=True).stdout.strip()

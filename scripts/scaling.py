@@ -147,6 +147,7 @@ def worker(chapter, out, bucket_cap_mb, measured, args):
             ends = sorted(e.time_range.start / 1e6 for e in events if e.name == "scaling:step")
             ranks = record["ranks"]
             gloo = [e for e in events if e.name.startswith("gloo:") and e.time_range.start / 1e6 < ends[-1]]
+
             def timed(events):  # the union of the events' intervals in each step, and their ring bytes per step
                 spans = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events]
                 return dict(communication=[union_seconds(spans, a, b) for a, b in zip(ends, ends[1:])],
@@ -277,6 +278,14 @@ def two_machines(congestion_control):
         yield net
 
 
+def shape(net, rate):
+    """The link shaped to rate (None: unlimited), or FatalError in one line if tc's tbf cannot shape it here."""
+    try:
+        net.shape(rate)
+    except RuntimeError as e:
+        raise FatalError(f"cannot shape the link to {rate} with tc's tbf: {e}") from None
+
+
 def measure(rows, rates, data_dir, congestion_control=None):
     """Every chosen run: {"alone": {row: record}, "runs": [one dict per row and rate], "tcp": congestion control}."""
     chosen = [(name, rate) for name in rows for rate in ROWS[name][4] if rate in rates]
@@ -286,10 +295,7 @@ def measure(rows, rates, data_dir, congestion_control=None):
             alone[name] = run_alone(name, data_dir, tmp)
             print(f"measured {name} at world size 1", file=sys.stderr, flush=True)
         for rate in rates:
-            try:
-                net.shape(RATES[rate] and rate)
-            except RuntimeError as e:
-                raise FatalError(f"cannot shape the link to {RATES[rate]} with tc's tbf: {e}") from None
+            shape(net, RATES[rate] and rate)
             for name in [n for n, r in chosen if r == rate]:
                 before = tcp_counters(net)
                 records = run_on_two(name, rate, net, data_dir, tmp)
@@ -352,10 +358,7 @@ def order_worker(rank, reps):
 def order(rate, reps, congestion_control=None):
     """--order: the time each way of swapping ORDER_NUMEL floats takes the late rank, at rate, against the floor."""
     with two_machines(congestion_control) as net:
-        try:
-            net.shape(rate)
-        except RuntimeError as e:
-            raise FatalError(f"cannot shape the link to {rate} with tc's tbf: {e}") from None
+        shape(net, rate)
         procs = [subprocess.Popen(net.command(node, [sys.executable, str(Path(__file__).resolve()), "--order-worker",
                                                      str(i), "--reps", str(reps)]),
                                   cwd=REPO, env=env(GLOO_SOCKET_IFNAME=IFNAME), stdout=subprocess.PIPE,
@@ -488,9 +491,8 @@ def chart(results, measured, path):
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"Two machines, one rank each (gloo, TCP {measured.get('tcp')}, 1 CPU thread per rank), global "
-                 f"batch {BATCH} ({4 * BATCH} with --accum-steps 4); 'x floor': communication / (ring bytes / link "
-                 "rate)",
-                 fontsize=9)
+                 f"batch {BATCH} ({4 * BATCH} with --accum-steps 4); "
+                 "'x floor': communication / (ring bytes / link rate)", fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -508,6 +510,13 @@ def report(measured, args):
         print(line)
     if args.png:
         chart(results, measured, args.png)
+
+
+def write_json(path, data):
+    """--json: data as JSON at path (nothing without --json)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
 def main():
@@ -535,7 +544,7 @@ def main():
     p.add_argument("--from-json", metavar="PATH", help="run nothing: the table and chart of a saved --json file")
     p.add_argument("--congestion-control", metavar="NAME", default="reno",
                    help="TCP's congestion control on the two machines: reno (the default: every kernel lets a "
-                        "namespace pick it, and with no lost packets it sends as cubic does), cubic, bbr, ...")
+                        "namespace pick it, and on this lossless link it measured as cubic did), cubic, bbr, ...")
     p.add_argument("--order", nargs="?", const="10mbit", metavar="RATE",
                    help="instead of the sweep: swap 785 KiB between the two machines, one rank late, receive first, "
                         "send first and with all_gather_into_tensor, on a link of RATE (default 10mbit)")
@@ -547,9 +556,7 @@ def main():
         except ValueError as e:
             p.error(f"--order: {e}")
         result = order(args.order, args.reps, args.congestion_control)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
         return order_report(result)
     if args.from_json:
         try:
@@ -566,9 +573,7 @@ def main():
     measured = measure(rows, [r for r in RATES if r in rates], args.data_dir, args.congestion_control)
     measured["environment"] = dict(torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
                                    node=platform.node())
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(measured, indent=1) + "\n")
+    write_json(args.json, measured)
     report(measured, args)
 
 

@@ -11,30 +11,25 @@ import pytest
 import torch
 
 from conftest import BASE_ENV, REPO, load_state, max_abs_diff, slice_args
-from scripts.netns import IFNAME, NODES, TwoMachines, tc_bits, why_not
+from scripts.netns import NODES, tc_bits
 from test_ddp import SAME_MODEL
-from test_multinode import NODE_ENV, accuracy_lines, run_on_both, torchrun_nodes
+from test_multinode import accuracy_lines, need_namespaces, run_on_both, torchrun_nodes, two_machines  # noqa: F401
 
 MODEL_BYTES = 669_706 * 4  # the quickstart MLP's fp32 weights, and so its gradients
 
 
+def cannot_shape(reason):
+    """A test that needs a shaped link says in one line why it cannot have one: a skip, a failure under CI."""
+    pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+
+
 def shaped(net, rate):
-    """net with its link shaped to rate; a test that needs shaping says in one line why it cannot have it."""
+    """net with its link shaped to rate."""
     try:
         net.shape(rate)
     except RuntimeError as e:
-        reason = f"the kernel cannot shape a veth link here: {e}"
-        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
+        cannot_shape(f"the kernel cannot shape a veth link here: {e}")
     return net
-
-
-@pytest.fixture
-def two_machines():
-    reason = why_not()
-    if reason:
-        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
-    with TwoMachines() as net:
-        yield net
 
 
 CROSSINGS = """
@@ -105,15 +100,14 @@ LINE = {"ddp": r"DDP \(chapter 3\) at 100 Mbit/s: communication [\d.]+x its floo
 @pytest.fixture(scope="module")
 def scaling(real_data, tmp_path_factory):
     """scripts/scaling.py's DDP and FSDP2 rows at 100 Mbit/s (DDP alone where fsdp.py cannot run): JSON and report."""
-    if why_not():
-        pytest.fail(why_not()) if os.environ.get("CI") else pytest.skip(why_not())
+    need_namespaces()
     out = tmp_path_factory.mktemp("scaling") / "scaling.json"
     rows = "single,ddp,fsdp" if hasattr(torch.cpu.Stream, "record_event") else "single,ddp"
     proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", rows, "--rates", "100mbit",
                            "--data-dir", str(real_data), "--json", str(out)], cwd=REPO, env=BASE_ENV,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode and "cannot shape the link" in proc.stderr:
-        pytest.fail(proc.stderr) if os.environ.get("CI") else pytest.skip(proc.stderr.strip())
+        cannot_shape(proc.stderr.strip())
     assert proc.returncode == 0, proc.stderr
     from scripts.scaling import derive
     measured = json.loads(out.read_text())
@@ -150,13 +144,12 @@ def test_gloo_sends_nothing_until_the_peer_is_ready_to_receive(tmp_path):
     785 KiB each way at 10 Mbit/s: posted receive first, both directions run at once; posted send first, the late
     rank's data crosses before its "ready" does, so the two directions take turns (2x the floor, less tbf's 32 KiB
     burst); gloo's all-gather posts each half send first, so the early rank starts a half late (1.5x)."""
-    if why_not():
-        pytest.fail(why_not()) if os.environ.get("CI") else pytest.skip(why_not())
+    need_namespaces()
     out = tmp_path / "order.json"
     proc = subprocess.run([sys.executable, "scripts/scaling.py", "--order", "10mbit", "--json", str(out)], cwd=REPO,
                           env=BASE_ENV, capture_output=True, text=True, timeout=300)
     if proc.returncode and "cannot shape the link" in proc.stderr:
-        pytest.fail(proc.stderr) if os.environ.get("CI") else pytest.skip(proc.stderr.strip())
+        cannot_shape(proc.stderr.strip())
     assert proc.returncode == 0, proc.stderr
     late = json.loads(out.read_text())["late_rank"]
     burst = 32 * 1024 / (200_960 * 4)
