@@ -71,7 +71,7 @@ def train(cfg, ctx):
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
     # Step 5, wrap: DDP copies rank 0's weights to every rank, then averages the gradients in each backward().
-    model = DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    model = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)  # its GPU, not local_rank's
     if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)

@@ -200,7 +200,7 @@ def train(cfg, bug, fix, ctx, output, watch):
     print(f"[rank {ctx.rank}] {len(train_sampler)} training images, {len(train_loader)} batches\n", end="", flush=True)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
-    model = DDP(NeuralNetwork().to(ctx.device), device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    model = DDP(NeuralNetwork().to(ctx.device), device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
     model.register_forward_pre_hook(watch.step)  # every step (and test batch) tells the watch it is alive
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     if bug == "uneven-batches" and fix:
@@ -282,9 +282,12 @@ class HangWatch:
 
 
 def write_flight_record(folder, rank):
-    """This rank's flight recorder (its last TORCH_FR_BUFFER_SIZE collectives), the pickle torch dumps, to FOLDER/rank_N."""
+    """This rank's flight recorder (its last TORCH_FR_BUFFER_SIZE collectives), the pickle torch dumps, to FOLDER/rank_N.
+
+    NCCL keeps a recorder of its own (its entries carry CUDA events); gloo's collectives go to torch's generic one."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = torch._C._distributed_c10d._dump_fr_trace()
+    c10d = torch._C._distributed_c10d
+    data = c10d._dump_nccl_trace() if dist.get_backend() == "nccl" else c10d._dump_fr_trace()
     tmp = folder / f".rank_{rank}.tmp"
     tmp.write_bytes(data)
     tmp.replace(folder / f"rank_{rank}")

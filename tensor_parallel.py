@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -98,8 +99,13 @@ def train(cfg, ctx):
     # Linear is split by its inputs (RowwiseParallel: each rank multiplies its slice of the hidden vector by its
     # columns of the weight) and one all-reduce per forward adds the tp partial sums. Backward needs none: the
     # input images take no gradient. The last Linear (10 x 512, 0.8% of the weights) stays whole on every rank:
-    # split, its 10 outputs would need an all-gather per forward to save 20 KB per rank.
+    # split, its 10 outputs would need an all-gather per forward to save 20 KB per rank. It becomes a DTensor all the
+    # same, replicated over the tp ranks: on a GPU the optimizer steps all weights in one foreach call, which cannot
+    # take DTensors and plain tensors together ("got mixed torch.Tensor and DTensor").
     parallelize_module(model.linear_relu_stack, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    distribute_module(model.linear_relu_stack[4], mesh["tp"],
+                      input_fn=lambda _, inputs, tp_mesh: DTensor.from_local(inputs[0], tp_mesh, [Replicate()]),
+                      output_fn=lambda _, logits, tp_mesh: logits.to_local())
     if cfg.dp > 1:  # 2-D: chapter 7's FSDP2 cuts each rank's slices again, over the dp rows, and averages the rows
         hide_2d_notices()  # two notices torch prints on every rank of a 2-D run; why they ask nothing: common/ranks.py
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)

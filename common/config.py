@@ -244,6 +244,10 @@ def check_pipeline_flags(cfg, stages_at_most):
     if cfg.batch_size % cfg.microbatches:
         raise UsageError(f"--batch-size {cfg.batch_size} must split into --microbatches {cfg.microbatches} equal "
                          f"micro-batches; use a multiple of {cfg.microbatches}")
+    if cfg.schedule == "1f1b" and cfg.microbatches < world_size:  # torch's Schedule1F1B refuses it after the rendezvous
+        raise UsageError(f"--schedule 1f1b with {world_size} stages needs at least {world_size} --microbatches (each "
+                         f"stage takes one forward before the first backward reaches it); pass --microbatches "
+                         f"{world_size} or more, or --schedule gpipe")
     if cfg.precision == "fp16":  # each stage's scaler would see only its own layers' gradients
         raise UsageError("pipeline.py trains in --precision fp32 or bf16; fp16 needs a scaler that checks every "
                          "stage's gradients for overflow, which this chapter does not have: use --precision bf16")

@@ -98,7 +98,7 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics):
         images = sum(len(y) for _, y in micro)  # this rank's share of the global batch
         step_loss = torch.zeros((), device=ctx.device)
         for i, (X, y) in enumerate(micro):
-            X, y = X.to(ctx.device), y.to(ctx.device)  # images: there already (a no-op); labels: from the CPU
+            X, y = X.to(ctx.device), y.to(ctx.device)  # the quickstart's line; a no-op here: the data lives there
             # DDP / FSDP2: all micro-batches but the last run in no_sync() / with gradient sync off (--accum-steps)
             with gradient_sync(model, i == len(micro) - 1):
                 with autocast(cfg, ctx.device):

@@ -1,5 +1,6 @@
 """Shared test helpers: tiny IDX datasets in the real format, the real data, and running entry scripts."""
 import gzip
+import importlib
 import os
 import signal
 import struct
@@ -86,9 +87,15 @@ def _restore_environ():
 # Every process a test starts: no download attempts, the CPU even where a GPU is visible (tests/test_gpu.py asks
 # for it), and one thread per process. The thread count alone moves the weights (1 vs 2 threads: 3e-6 after
 # 3 epochs of 200 steps on an AMD EPYC), so runs that are compared must use the same; with it, a resumed run is
-# bit for bit the uninterrupted one.
+# bit for bit the uninterrupted one. CUDA_DEFAULTS on the path makes every process take CUDA's defaults where the
+# CPU's differ (the optimizers' foreach, autocast's dtype: tests/cuda_defaults/sitecustomize.py), and so does this one.
+CUDA_DEFAULTS = REPO / "tests" / "cuda_defaults"
 BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1", FASHION_MNIST_OFFLINE="1", OMP_NUM_THREADS="1",
-                CUDA_VISIBLE_DEVICES="")
+                CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(CUDA_DEFAULTS))
+if os.environ.get("TUTORIAL_CPU_DEFAULTS") != "1":
+    from cuda_defaults.sitecustomize import TARGET, play_cuda_defaults  # noqa: E402
+
+    play_cuda_defaults(importlib.import_module(TARGET))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

@@ -1,9 +1,11 @@
 """Chapter 8 under torchrun, 2 ranks on gloo: every broken case ends non-zero soon after --timeout, naming the
 mismatch; every --fix trains chapter 1's model."""
+import pickle
 import re
 import time
 
 import pytest
+import torch
 
 from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, run_script, slice_args
 from test_ddp import SAME_MODEL
@@ -138,3 +140,16 @@ def test_fix_trains_chapter_1s_model(bug, procs, real_data, reference, reference
         assert "[  960/  961]" in out, out
     expected = reference_961 if bug == "uneven-batches" else reference[0]
     assert max_abs_diff(expected, load_state(tmp_path / "model.pth")) <= SAME_MODEL
+
+
+def test_on_nccl_the_record_comes_from_nccls_own_recorder(tmp_path, monkeypatch):
+    """NCCL's collectives are recorded by its own flight recorder, not the generic one gloo writes to: a rank that
+    leaves through Python writes that one, or the comparison line has nothing to compare on NCCL."""
+    import debug_hang
+
+    c10d = torch._C._distributed_c10d
+    monkeypatch.setattr(debug_hang.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *a, **k: pickle.dumps({"entries": ["nccl"]}), raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *a, **k: pickle.dumps({"entries": ["generic"]}), raising=False)
+    debug_hang.write_flight_record(tmp_path, 1)
+    assert pickle.loads((tmp_path / "rank_1").read_bytes()) == {"entries": ["nccl"]}

@@ -33,6 +33,12 @@ RECOGNISED = [
                            "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"),
      "ranks 1 and 0 are on the same GPU, and NCCL needs one GPU per rank"),
     (RuntimeError("Wait timeout"), "not every rank reached the rendezvous within --timeout"),
+    # --compile on a GPU, Triton's launcher build (triton 3.8's runtime/build.py), as Inductor passes it on
+    (RuntimeError("backend='inductor' raised:\nRuntimeError: Failed to find C compiler. Please specify via CC "
+                  "environment variable or set triton.knobs.build.impl."), "--compile on a GPU needs a C compiler"),
+    (RuntimeError("backend='inductor' raised:\nCalledProcessError: Command '['/usr/bin/gcc', '/tmp/tmpq1/cuda_utils.c',"
+                  " '-O3', '-shared', '-fPIC', '-Wno-psabi', '-o', '/tmp/tmpq1/cuda_utils.so']' returned non-zero exit "
+                  "status 1."), "Triton could not build its kernel launcher with /usr/bin/gcc"),
 ]
 
 

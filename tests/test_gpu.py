@@ -1,13 +1,14 @@
 """On a GPU: every chapter with CUDA + NCCL, DataParallel on every GPU, gloo on CUDA tensors, snapshots across devices,
 the device rules, no host sync per training step, and CUDA against CPU weights. Skipped, with the reason, without CUDA.
 
-The data must be where the suite finds it (./data or Debian's package). On a GPU machine without the package or a
-network, carry the four FashionMNIST .gz files beside the repository and run, from its root:
+On a GPU machine, one command checks what these tests need (the data, pytest, a C compiler for --compile) and runs
+them on the GPUs it was given (CUDA_VISIBLE_DEVICES is honoured):
 
-    mkdir -p data && cp /path/to/fashion-mnist/*.gz data/ && FASHION_MNIST_OFFLINE=1 python -m pytest -q -s tests/test_gpu.py
+    python scripts/gpu_check.py                      # the data in ./data or Debian's package, or --data-dir DIR
 
-The tolerances below (CUDA_VS_CPU, SAME_MODEL) are guesses until that has run: -s prints the measured spreads.
+The tests print their measured spreads (CUDA against the CPU, two GPUs against one); RUN.md has a real run.
 """
+import os
 import re
 import subprocess
 import sys
@@ -21,11 +22,28 @@ from common.ranks import free_port
 from conftest import BASE_ENV, REPO, TORCHRUN, load_state, max_abs_diff, one_error_line, run_script
 from test_faults import SLURM_ENV
 
+sys.path.insert(0, str(REPO / "scripts"))
+from gpu_check import c_compiler  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none here")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-# The suite hides GPUs from its processes (conftest.BASE_ENV); here they are shown: the first one, or all of them.
-ONE_GPU = dict(BASE_ENV, CUDA_VISIBLE_DEVICES="0")
-ALL_GPUS = {k: v for k, v in BASE_ENV.items() if k != "CUDA_VISIBLE_DEVICES"}
+GIVEN = os.environ.get("CUDA_VISIBLE_DEVICES")  # the GPUs this run was given: indices, UUIDs or MIG names
+
+
+def gpus(n=None):
+    """The suite's environment (which hides GPUs: conftest.BASE_ENV) showing the first n GPUs of those this run was
+    given, named as they were given (all of them for None): not GPU 0, 1, ... of the machine, which on a shared or
+    SLURM node may be another job's, and which a MIG instance has no index for."""
+    env = dict(BASE_ENV)
+    del env["CUDA_VISIBLE_DEVICES"]
+    if GIVEN is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(GIVEN.split(",")[:n])
+    elif n is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(n)))
+    return env
+
+
+ONE_GPU, ALL_GPUS = gpus(1), gpus()
 SLICE = ["--train-samples", "960", "--test-samples", "500", "--batch-size", "48", "--epochs", "2", "--log-every", "7"]
 # CUDA and the CPU sum the matrix products in other orders; TF32 is off for float32 matmuls by default. Not yet
 # measured on a GPU: the bound is the CPU's own 1-vs-2-thread spread (3e-6 after 600 steps) with a wide margin. The
@@ -144,11 +162,16 @@ def test_a_snapshot_moves_between_cuda_and_the_cpu(real_data, tmp_path):
         <= CUDA_VS_CPU
 
 
+SPLITS = ["--batch-size", str(16 * (GPUS + 1))]  # a global batch that splits over one rank more than there are GPUs
+
+
 @pytest.mark.parametrize("argv,words", [
     (["ddp_mp.py", "--device", "cuda:0"], "--device cuda:0: a DDP rank always uses the GPU of its local rank"),
-    (["ddp_mp.py", "--nprocs", str(GPUS + 1)], f"{GPUS + 1} ranks on this machine but {GPUS} GPU(s) visible"),
-    (["ddp_tcp_manual.py", "--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "1", "--local-rank",
-      str(GPUS)], f"local rank {GPUS} but {GPUS} GPU(s) visible"),
+    (["ddp_mp.py", "--nprocs", str(GPUS + 1), *SPLITS], f"{GPUS + 1} ranks on this machine but {GPUS} GPU(s) visible"),
+    pytest.param(["ddp_tcp_manual.py", "--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "1",
+                  "--local-rank", str(GPUS)], f"local rank {GPUS} but {GPUS} GPU(s) visible",
+                 marks=pytest.mark.skipif(GPUS < 2, reason="a rank that sees one GPU uses it, whatever its local rank "
+                                                           "(test_a_rank_shown_only_its_own_gpu_trains_on_it)")),
 ], ids=["cuda-N", "more-ranks-than-gpus", "local-rank-without-gpu"])
 def test_device_rules(argv, words):
     proc = run([sys.executable, *argv], env=ALL_GPUS, timeout=120)
@@ -157,10 +180,55 @@ def test_device_rules(argv, words):
 
 
 def test_torchrun_with_more_workers_than_gpus_is_refused():
-    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node", str(GPUS + 1), "ddp_launch.py"], env=ALL_GPUS,
+    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node", str(GPUS + 1), "ddp_launch.py", *SPLITS], env=ALL_GPUS,
                timeout=180)
     assert proc.returncode != 0
-    assert f"error: {GPUS + 1} ranks on this machine but {GPUS} GPU(s) visible" in proc.stderr, proc.stderr
+    # each worker says it, as its own rank
+    assert re.search(rf"^error: \[rank \d+\] {GPUS + 1} ranks on this machine but {GPUS} GPU\(s\) visible", proc.stderr,
+                     re.M), proc.stderr
+
+
+@pytest.mark.parametrize("script,argv,env", [
+    ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_NTASKS="1", SLURM_LOCALID="3")),  # srun --gpus-per-task 1
+    ("ddp_tcp_manual.py", ["--rank", "0", "--world-size", "1", "--local-rank", "1"], {}),  # CUDA_VISIBLE_DEVICES=1
+], ids=["srun-gpus-per-task", "tcp-own-gpu"])
+def test_a_rank_shown_only_its_own_gpu_trains_on_it(script, argv, env, real_data, cuda_reference, tmp_path):
+    """A rank whose local rank is 1 or 3 but which sees one GPU (per-task CUDA_VISIBLE_DEVICES) computes on cuda:0:
+    the device, NCCL and DDP's device_ids all name it (DDP with its local rank instead fails on the first batch)."""
+    port = free_port()
+    if script == "ddp_tcp_manual.py":
+        argv = ["--init-method", f"tcp://127.0.0.1:{port}", *argv]
+    proc = run([sys.executable, script, *argv, *SLICE, "--data-dir", real_data, "--output", tmp_path],
+               extra_env=dict(env, MASTER_PORT=str(port)))
+    assert proc.returncode == 0, proc.stderr
+    assert "device=cuda:0 backend=nccl world_size=1" in proc.stdout
+    assert max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth")) <= SAME_MODEL
+
+
+@pytest.mark.parametrize("compiler,words", [
+    (None, "--compile on a GPU needs a C compiler"),
+    ("#!/bin/sh\necho 'fatal error: Python.h: No such file or directory' >&2\nexit 1\n",
+     "Triton could not build its kernel launcher with"),
+], ids=["no-compiler", "no-python-headers"])
+def test_compile_without_what_triton_builds_with_is_one_line(compiler, words, real_data, tmp_path):
+    """--compile on a GPU: Triton compiles a small C launcher the first time (gcc or $CC, and Python.h). Without a
+    compiler, or with a build that fails, the run ends in one line that names what to install. Fresh caches, so the
+    launcher and the kernels are built here, not found from an earlier run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = dict(PATH=str(bin_dir), TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    if compiler:
+        (bin_dir / "cc").write_text(compiler)
+        (bin_dir / "cc").chmod(0o755)
+        env["CC"] = str(bin_dir / "cc")
+    base = {k: v for k, v in ONE_GPU.items() if k not in ("CC", "PATH")}
+    proc = run([sys.executable, "single_gpu.py", *SLICE, "--data-dir", real_data, "--output", tmp_path / "out",
+                "--compile"], env=base, extra_env=env)
+    print(f"--compile, {words[:40]}...: exit {proc.returncode}\n{proc.stderr[-1500:]}")
+    assert proc.returncode == 1
+    one_error_line(proc.stderr, words)
 
 
 def test_two_nccl_ranks_on_one_gpu_are_refused(real_data, tmp_path):
@@ -260,9 +328,13 @@ FLAG_CASES = [("single_gpu.py", ("--precision", "bf16")), ("ddp_launch.py", ("--
               ("ddp_tcp_manual.py", ("--precision", "fp16")), ("ddp_slurm.py", ("--precision", "bf16")),
               ("ddp_launch.py", ("--accum-steps", "2")), ("single_gpu.py", ("--compile",)),
               ("ddp_launch.py", ("--compile", "--accum-steps", "2"))]
+# --compile on a GPU: Triton builds its kernel launcher with a C compiler and Python's headers (scripts/gpu_check.py)
+NO_COMPILER = None if all(c_compiler()) else "no C compiler or no Python.h here, which Triton builds with for --compile"
 
 
-@pytest.mark.parametrize("script,flags", FLAG_CASES, ids=[f"{s}{''.join(f)}" for s, f in FLAG_CASES])
+@pytest.mark.parametrize("script,flags", [
+    pytest.param(s, f, marks=pytest.mark.skipif("--compile" in f and bool(NO_COMPILER), reason=str(NO_COMPILER)))
+    for s, f in FLAG_CASES], ids=[f"{s}{''.join(f)}" for s, f in FLAG_CASES])
 def test_the_training_flags_on_cuda(script, flags, real_data, cuda_reference, tmp_path):
     """16-bit runs (fp16 with its GradScaler, whose scale each epoch prints) learn as much as fp32; accumulation and
     compile train chapter 1's CUDA model."""
@@ -303,10 +375,11 @@ def test_chapter_8_on_nccl_ends_within_the_timeout(bug, extra, real_data, tmp_pa
     import time
 
     timeout = 20
-    argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "debug_hang.py", "--bug", bug, *SLICE, "--data-dir",
-            real_data, "--output", tmp_path, "--timeout", str(timeout), *extra]
+    i = SLICE.index("--test-samples")  # the cases' own test sets: shape-mismatch needs its small one to show
+    argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "debug_hang.py", "--bug", bug, *SLICE[:i], *SLICE[i + 2:],
+            "--data-dir", real_data, "--output", tmp_path, "--timeout", str(timeout), *extra]
     start = time.monotonic()
-    proc = run(argv, env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1"), timeout=600)
+    proc = run(argv, env=gpus(2), timeout=600)
     seconds = time.monotonic() - start
     print(f"{bug} on NCCL: exit {proc.returncode} after {seconds:.1f}s\n{proc.stderr[-4000:]}")
     assert proc.returncode != 0
@@ -334,7 +407,7 @@ DATAPARALLEL_DTYPE = textwrap.dedent("""
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: DataParallel runs one replica per GPU, in threads")
 def test_dataparallel_replicas_compute_in_bf16():
-    proc = run([sys.executable, "-c", DATAPARALLEL_DTYPE], env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1"),
+    proc = run([sys.executable, "-c", DATAPARALLEL_DTYPE], env=gpus(2),
                extra_env=dict(PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr
     print(proc.stdout)  # torch's own nn.DataParallel: float16 in the replicas (the dtype is not passed to threads)
@@ -349,7 +422,7 @@ def test_dataparallel_replicas_compute_in_bf16():
 def test_two_gpus_train_chapter_1s_model(script, extra, real_data, cuda_reference, tmp_path):
     argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, *SLICE, "--data-dir", real_data, "--output",
             tmp_path, *extra]
-    proc = run(argv, env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1"))
+    proc = run(argv, env=gpus(2))
     assert proc.returncode == 0, proc.stderr
     assert len(re.findall(r"device=cuda:[01] backend=nccl world_size=2", proc.stdout)) == 2
     difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))
@@ -361,7 +434,7 @@ def test_two_gpus_train_chapter_1s_model(script, extra, real_data, cuda_referenc
 def test_four_gpus_train_chapter_1s_model_in_2d(real_data, cuda_reference, tmp_path):
     argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "4", "tensor_parallel.py", "--dp", "2", *SLICE,
             "--data-dir", real_data, "--output", tmp_path]
-    proc = run(argv, env=dict(ALL_GPUS, CUDA_VISIBLE_DEVICES="0,1,2,3"))
+    proc = run(argv, env=gpus(4))
     assert proc.returncode == 0, proc.stderr
     assert len(re.findall(r"device=cuda:[0-3] backend=nccl world_size=4", proc.stdout)) == 4
     difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))

@@ -91,6 +91,60 @@ def test_nccl_is_bound_to_the_ranks_gpu_at_init(argv, env, gpus, expected, tmp_p
         [(rank, "nccl", device) for rank, device in expected], out
 
 
+# Fake GPUs again, and a process group that answers every call, so the chapter runs on to its DDP wrap: the data
+# and the model stay on the CPU (no .to() moves anything), and DDP itself prints what it was given and ends there.
+RECORD_WRAP = """\
+import json, os, torch, torch.distributed as dist, torch.nn.parallel
+import common.data
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: {gpus}
+torch.cuda.set_device = lambda device: None
+bound = []
+dist.init_process_group = lambda backend=None, **kwargs: bound.append(str(kwargs.get("device_id")))
+dist.get_backend = lambda group=None: "nccl"
+dist.barrier = lambda *args, **kwargs: None
+def all_gather_object(out, obj, group=None):
+    out[:] = [obj] * len(out)
+dist.all_gather_object = all_gather_object
+load_split = common.data.load_split
+common.data.load_split = lambda folder, split, device: load_split(folder, split, torch.device("cpu"))
+torch.nn.Module.to = lambda self, *args, **kwargs: self
+class DDP:
+    def __init__(self, module, device_ids=None, **kwargs):
+        ids = [str(torch.device("cuda", d) if isinstance(d, int) else torch.device(d)) for d in device_ids or []]
+        print("wrap " + json.dumps(dict(bound=bound[0], device_ids=ids)), flush=True)
+        os._exit(0)
+torch.nn.parallel.DistributedDataParallel = DDP
+"""
+
+WRAPS = [  # (command, environment, GPUs this process sees, the GPU each rank computes on)
+    (["ddp_launch.py"], _launch_env(3, 1, 4, 2), 2, ["cuda:1"]),
+    (["ddp_mp.py"], {}, 2, ["cuda:0", "cuda:1"]),
+    (["ddp_tcp_manual.py", "--init-method", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "2", "--local-rank",
+      "1"], {}, 1, ["cuda:0"]),  # started by hand with CUDA_VISIBLE_DEVICES=1: it sees its own GPU only
+    (["ddp_slurm.py"], _slurm_env(0, 3, 8), 1, ["cuda:0"]),  # srun --gpus-per-task 1: local rank 3, its own GPU
+    (["debug_hang.py", "--bug", "early-stop"], _launch_env(1, 1, 2, 2), 2, ["cuda:1"]),
+]
+
+
+@pytest.mark.parametrize("argv,env,gpus,expected", WRAPS, ids=[w[0][0] for w in WRAPS])
+def test_ddp_wraps_the_model_on_the_gpu_the_rank_computes_on(argv, env, gpus, expected, fake_data, tmp_path):
+    """DDP(device_ids=...) names the rank's own GPU, the one NCCL was bound to: DDP moves each batch there, so a
+    local rank in its place (cuda:3 where the rank sees one GPU) fails on the first forward."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(RECORD_WRAP.format(gpus=gpus))
+    proc = subprocess.run([sys.executable, *argv, "--data-dir", str(fake_data), "--output", str(tmp_path / "out")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(BASE_ENV, PYTHONPATH=f"{shim}:{REPO}", **env))
+    assert proc.returncode == 0, proc.stderr
+    wraps = sorted(json.loads(line.split(" ", 1)[1])["device_ids"] for line in proc.stdout.splitlines()
+                   if line.startswith("wrap "))
+    bound = sorted(json.loads(line.split(" ", 1)[1])["bound"] for line in proc.stdout.splitlines()
+                   if line.startswith("wrap "))
+    assert wraps == [[device] for device in expected] and bound == expected, proc.stdout
+
+
 def test_chapter_8_lets_the_nccl_watchdog_write_the_flight_record(tmp_path):
     """On NCCL a rank that times out is ended by the watchdog (SIGABRT), where chapter 8's own record writing cannot
     run: before init it asks NCCL to dump the record itself, into the folder where the gloo records go."""

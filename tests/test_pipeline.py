@@ -161,8 +161,10 @@ def _is_rank(pid, rank, torchrun_pid):
     (["--compile"], TORCHRUN_ENV, "pipeline.py takes no --compile"),
     (["--schedule", "zb"], TORCHRUN_ENV, "argument --schedule: invalid choice"),
     ([], dict(TORCHRUN_ENV, WORLD_SIZE="4"), "4 ranks but pipeline.py cuts the model into at most 3 stages"),
+    (["--schedule", "1f1b", "--microbatches", "2"], dict(TORCHRUN_ENV, WORLD_SIZE="3", LOCAL_WORLD_SIZE="3"),
+     "--schedule 1f1b with 3 stages needs at least 3 --microbatches"),  # torch's ValueError, after the rendezvous
     ([], {}, "start this script with torchrun"),
-], ids=["microbatches-5", "fp16", "accum", "compile", "schedule-zb", "4-ranks", "no-torchrun"])
+], ids=["microbatches-5", "fp16", "accum", "compile", "schedule-zb", "4-ranks", "1f1b-too-few", "no-torchrun"])
 def test_bad_flag_exits_2_with_one_line(flag, env, needle):
     proc = run_script("pipeline.py", *flag, env=env, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
