@@ -124,7 +124,7 @@ def case_floor(args):
     """(c) The compute floor: forward/backward/step over slices of one float32 tensor, nothing else per step."""
     device = torch.device(args.device)
     train_set = data.load_split(data.locate_fashion_mnist(args.data_dir), "train", device)
-    X, y = train_set.images, train_set.labels  # float32 in [0, 1] since loading, before any clock starts
+    X, y = train_set.images.float().div_(255), train_set.labels  # float32 in [0, 1], before any clock starts
     n = len(y)
     torch.manual_seed(SEED)
     model = NeuralNetwork().to(device)
@@ -159,7 +159,7 @@ def _floor_worker(rank, args, port):
         # Rank r's share of the first epoch, in DistributedSampler's order, converted before any clock starts.
         shard = torch.tensor(list(DistributedSampler(train_set, num_replicas=world, rank=rank, seed=SEED)),
                              device=device)
-        X, y = train_set.images[shard], train_set.labels[shard]
+        X, y = train_set.images[shard].float().div_(255), train_set.labels[shard]
         per_rank = BATCH_SIZE // world
         torch.manual_seed(SEED)
         model = NeuralNetwork().to(device)

@@ -56,7 +56,7 @@ def main():
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size())
     g = torch.Generator().manual_seed(0)
-    images = torch.rand(192, 1, 28, 28, generator=g)
+    images = torch.randint(0, 256, (192, 1, 28, 28), dtype=torch.uint8, generator=g)
     data = TensorImages(images, torch.randint(0, 10, (192,), generator=g))
     counts = []
     reduce_scatter = dist.reduce_scatter_single

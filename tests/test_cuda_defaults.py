@@ -40,7 +40,8 @@ def test_every_process_the_suite_starts_takes_cudas_defaults():
 
 
 class HostToDevice(TorchDispatchMode):
-    """Records every copy of a CPU tensor to another device: on a GPU, a copy from pageable memory waits for the GPU."""
+    """Records every blocking copy of a CPU tensor to another device: on a GPU, such a copy waits for the GPU. (A copy
+    with non_blocking=True from pinned memory does not; the meta device cannot pin, so that half is test_gpu.py's.)"""
 
     def __init__(self):
         super().__init__()
@@ -50,7 +51,9 @@ class HostToDevice(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
             source = args[1] if func is torch.ops.aten.copy_.default else args[0]
-            if source.device.type == "cpu" and out.device.type != "cpu":
+            non_blocking = (kwargs or {}).get("non_blocking", args[2] if func is torch.ops.aten.copy_.default
+                                              and len(args) > 2 else False)
+            if source.device.type == "cpu" and out.device.type != "cpu" and not non_blocking:
                 self.copies.append(f"{func} {tuple(source.shape)}")
         return out
 

@@ -25,7 +25,12 @@ def test_load_from_data_dir(tmp_path, layout, gz):
     test_set = data.load_split(tmp_path, "test", torch.device("cpu"))
     images, labels = written["test"]
     assert len(test_set) == SPLIT_SIZES["test"]
-    assert torch.equal(test_set.images.squeeze(1), images.float() / 255) and torch.equal(test_set.labels, labels.long())
+    assert torch.equal(test_set.images.squeeze(1), images) and torch.equal(test_set.labels, labels.long())
+    # an item and a batch are what torchvision's ToTensor gives: float32 in [0, 1]
+    image, label = test_set[3]
+    assert image.dtype == torch.float32 and torch.equal(image.squeeze(0), images[3].float() / 255) and label == labels[3]
+    batch = test_set.__getitems__([5, 2])
+    assert torch.equal(batch[1][0], images[2].float().div(255).unsqueeze(0)) and batch[1][1] == labels[2]
 
 
 def test_system_copy_is_used_when_no_data_dir(tmp_path, monkeypatch):
