@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh Debian/Ubuntu machine:
 #   make run    set up (venv, requirements, offline FashionMNIST) and train single_gpu.py
-#   make test   set up and run the test suite
+#   make test   set up and check it works: every chapter through its launcher, and the fast tests (minutes)
+#   make test-all    the whole proof: every test, SLURM and two machines included (what CI runs)
 #   make mutations   plant each known bug in a copy of the project and check its tests turn red (tests/mutations.py)
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 DATA_PKG := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup data tools run test mutations clean
+.PHONY: setup data tools run test test-all mutations clean
 
 setup: $(VENV)/.installed data
 
@@ -41,6 +42,9 @@ run: setup
 	$(PY) single_gpu.py
 
 test: setup tools
+	$(PY) -m pytest -q -m quick
+
+test-all: setup tools
 	$(PY) -m pytest -q
 
 mutations: setup tools

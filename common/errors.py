@@ -64,12 +64,12 @@ _EXPLAINED = [
     # --compile on a GPU: Triton builds a small C launcher with the C compiler in $CC (else gcc or clang) and Python's
     # headers; with no compiler it says so, and a failed build ends in the compiler's command (its error is above).
     (r"Failed to find C\+?\+? compiler", lambda m, text: (
-        f"--compile on a GPU needs a C compiler: Triton builds its kernel launcher with gcc (or $CC) and Python's "
-        f"headers, and found no compiler; install them (`apt-get install gcc python3-dev`), or run without --compile")),
+        "--compile on a GPU needs a C compiler: Triton builds its kernel launcher with gcc (or $CC) and Python's "
+        "headers, and found no compiler; install them (`apt-get install gcc python3-dev`), or run without --compile")),
     (r"Command '\['([^']+)', '[^']+\.c', '-O3', '-shared'.*returned non-zero exit status", lambda m, text: (
         f"--compile on a GPU: Triton could not build its kernel launcher with {m[1]} (the compiler's error is above; "
-        f"most often Python.h is missing): install Python's headers (`apt-get install python3-dev`), or run without "
-        f"--compile")),
+        "most often Python.h is missing): install Python's headers (`apt-get install python3-dev`), or run without "
+        "--compile")),
     # NCCL: two ranks of one machine were given the same GPU.
     (r"Duplicate GPU detected ?: rank (\d+) and rank (\d+) both on CUDA device (\w+)", lambda m, text: (
         f"ranks {m[1]} and {m[2]} are on the same GPU, and NCCL needs one GPU per rank: start at most one process "

@@ -1,6 +1,7 @@
 """Shared test helpers: tiny IDX datasets in the real format, the real data, and running entry scripts."""
 import gzip
 import importlib
+import json
 import os
 import signal
 import struct
@@ -75,6 +76,54 @@ def real_data():
     return folder
 
 
+# `make test`: what a newcomer runs first, under 10 minutes on 2 cores, on any machine (no SLURM, no network
+# namespaces, no root): every chapter once through its real launcher on a slice of the real data, training chapter
+# 1's model, and the tests that take no more than a few seconds. `make test-all` runs every test (.ci/run does).
+# An entry is the start of test ids: a module, a test (all its cases) or one case; docs/tests.md says what each proves.
+QUICK = [
+    # every chapter, through its launcher, trains chapter 1's model
+    "tests/test_scripts.py::test_chapter_trains_and_saves[single_gpu.py]",
+    "tests/test_scripts.py::test_dataparallel_trains_the_same_model",
+    "tests/test_ddp.py::test_ddp_trains_the_same_model[torchrun-2]",
+    "tests/test_ddp.py::test_ddp_trains_the_same_model[mp-2]",
+    "tests/test_ddp.py::test_ddp_trains_the_same_model[tcp-2]",
+    "tests/test_ddp.py::test_ddp_trains_the_same_model[srun-env-2]",
+    "tests/test_fsdp.py::test_fsdp_trains_the_same_model[2]",
+    "tests/test_debug_hang.py::test_broken_case_fails_soon_naming_the_mismatch[eval-on-rank0]",
+    "tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[eval-on-rank0]",
+    "tests/test_tensor_parallel.py::test_tensor_parallel_trains_the_same_model[2ranks-dp1]",
+    "tests/test_pipeline.py::test_the_pipeline_trains_the_same_model[2stages-1f1b]",
+    # the chapters read as the lesson, and refuse what cannot work in one line
+    "tests/test_ddp.py::test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom",
+    "tests/test_ddp.py::test_chapters_1_and_2_mark_the_steps_they_share",
+    "tests/test_ddp.py::test_chapter_diffs_stay_within_their_budget",
+    "tests/test_faults.py::test_bad_flag_exits_2_with_one_line",
+    "tests/test_training_flags.py::test_flags_that_cannot_work_are_one_line",
+    # the units: data, model and loop, flags, errors, the GPU path played on the CPU
+    "tests/test_config.py", "tests/test_errors.py", "tests/test_model_engine.py", "tests/test_cuda_defaults.py",
+    "tests/test_gpu_path.py", "tests/test_data.py::test_read_idx_round_trip", "tests/test_data.py::test_load_from",
+    "tests/test_data.py::test_batches_match_torchvision_totensor", "tests/test_data.py::test_union_of_rank_batches",
+    "tests/test_data.py::test_shard_sampler", "tests/test_data.py::test_loader_batches",
+    "tests/test_preflight.py::test_bus_bandwidth_is_nccl_tests_busbw", "tests/test_docs.py::test_every_doc_command_is_known",
+]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: in `make test` (conftest.QUICK)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests QUICK names; every entry must name a test that exists."""
+    unused = set(QUICK)
+    for item in items:
+        for entry in QUICK:
+            if item.nodeid.startswith(entry):
+                item.add_marker(pytest.mark.quick)
+                unused.discard(entry)
+    if len(items) > 400 and unused:  # the whole suite was collected: a stale entry would drop a test silently
+        raise pytest.UsageError(f"conftest.QUICK names tests that do not exist: {sorted(unused)}")
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ():
     """Tests may change os.environ; put it back."""
@@ -118,6 +167,21 @@ def run_script(script, *args, cwd=None, env=None, timeout=600):
     )
     no_abort_at_exit(proc.stderr)
     return proc
+
+
+def run_forked(cases, timeout=120):
+    """[(script, args, extra env)] -> [CompletedProcess], as run_script gives them, each case in a process of its own
+    forked from one that imported torch once (tests/forkrun.py): for the many short runs that end at a flag."""
+    payload = [dict(script=str(REPO / script), args=list(map(str, args)), env={**BASE_ENV, **env}, timeout=timeout)
+               for script, args, env in cases]
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "forkrun.py")], input=json.dumps(payload), cwd=REPO,
+                          env=BASE_ENV, capture_output=True, text=True, timeout=timeout * len(cases) + 60)
+    assert proc.returncode == 0, proc.stderr
+    results = [subprocess.CompletedProcess(case["args"], code, out, err)
+               for case, (code, out, err) in zip(payload, json.loads(proc.stdout))]
+    for result in results:
+        no_abort_at_exit(result.stderr)
+    return results
 
 
 class Procs:
@@ -170,6 +234,19 @@ def procs_module():
     ps = Procs()
     yield ps
     ps.close()
+
+
+class Runs(dict):
+    """{key: run}, each run made by make(key) when a test first asks for it: a test that needs one world size does
+    not wait for the others (`make test` runs one of each chapter's)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = run = self.make(key)
+        return run
 
 
 def torchrun_script(script, world, args, procs, timeout=240):

@@ -28,6 +28,11 @@ def launch(kind, world, real_data, out, procs, timeout=60, extra=()):
         ps = [procs.start([sys.executable, "ddp_mp.py", "--nprocs", str(world), *args])]
     elif kind == "torchrun":
         ps = [procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), "ddp_launch.py", *args])]
+    elif kind == "srun-env":  # chapter 6's tasks as one srun step starts them on one node: only its variables differ
+        step = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NTASKS=str(world), SLURM_JOB_NODELIST="localhost",
+                    MASTER_PORT=str(port))
+        ps = [procs.start([sys.executable, "ddp_slurm.py", *args],
+                          env=dict(BASE_ENV, **step, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))) for r in range(world)]
     else:
         init = f"tcp://127.0.0.1:{port}" if kind == "tcp" else f"file://{out}.rdzv"
         ps = [procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", init, "--rank", str(r),
@@ -44,8 +49,10 @@ def _test_losses(log):
     return [float(x) for x in re.findall(r"Avg loss: ([\d.]+)", log)]
 
 
+# srun-env: ddp_slurm.py's two tasks started with the variables srun gives them, where no SLURM is installed (`make
+# test`); tests/test_slurm.py submits the real job to a real cluster.
 CASES = [("mp", 1), ("mp", 2), ("mp", 3), ("torchrun", 1), ("torchrun", 2), ("torchrun", 3),
-         ("tcp", 2), ("tcp", 3), ("file", 2), ("file", 3)]
+         ("tcp", 2), ("tcp", 3), ("file", 2), ("file", 3), ("srun-env", 2)]
 
 
 @pytest.mark.parametrize("kind,world", CASES, ids=[f"{k}-{w}" for k, w in CASES])

@@ -13,7 +13,7 @@ import torch
 
 from common.metrics import read_metrics
 from common.ranks import free_port
-from conftest import (BASE_ENV, REPO, TORCHRUN, load_state, max_abs_diff, no_abort_at_exit, one_error_line,
+from conftest import (BASE_ENV, TORCHRUN, load_state, max_abs_diff, no_abort_at_exit, one_error_line, run_forked,
                       run_script)
 
 # torchrun --max-restarts as the docs show it: every restart meets in a fresh store (see ddp_launch.py).
@@ -390,10 +390,15 @@ BAD = [(s, flag, NEEDS.get(s, ([], {}))[1], None) for s in SCRIPTS for flag in C
 ]
 
 
-@pytest.mark.parametrize("script,flag,env,needle", BAD, ids=[f"{s}:{' '.join(f) or 'env'}" for s, f, _, _ in BAD])
-def test_bad_flag_exits_2_with_one_line(script, flag, env, needle):
-    args = NEEDS.get(script, ([], {}))[0]
-    proc = run_script(script, *args, *flag, env=env, timeout=120)
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    """Every BAD case run as `python SCRIPT ARGS` would be, each in its own (forked) process."""
+    return run_forked([(script, [*NEEDS.get(script, ([], {}))[0], *flag], env) for script, flag, env, _ in BAD])
+
+
+@pytest.mark.parametrize("case", range(len(BAD)), ids=[f"{s}:{' '.join(f) or 'env'}" for s, f, _, _ in BAD])
+def test_bad_flag_exits_2_with_one_line(case, bad_flag_runs):
+    needle, proc = BAD[case][3], bad_flag_runs[case]
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert needle is None or needle in proc.stderr, proc.stderr

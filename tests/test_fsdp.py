@@ -6,8 +6,8 @@ import subprocess
 import pytest
 
 from common.metrics import read_metrics
-from conftest import (REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, run_script, slice_args,
-                      torchrun_script)
+from conftest import (REPO, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked, run_script,
+                      slice_args, torchrun_script)
 from test_faults import TORCHRUN_ENV
 
 # Measured on torch 2.14.1, 1 thread per rank, SLICE's 40 steps: 0 at 1 rank, 3.7e-9 at 2 and 3 ranks (the
@@ -26,15 +26,15 @@ def torchrun(world, args, procs, timeout=180):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(real_data, tmp_path_factory, procs_module):
-    """fsdp.py on SLICE at 1, 2 and 3 ranks: {world: (folder, stdout)}."""
-    runs = {}
-    for world in (1, 2, 3):
+    """fsdp.py on SLICE at 1, 2 or 3 ranks, each run when first asked for: {world: (folder, stdout)}."""
+    def run(world):
         out = tmp_path_factory.mktemp(f"fsdp{world}")
         code, stdout, err = torchrun(world, [*slice_args(real_data, out), "--timeout", "60"], procs_module)
         assert code == 0, err
         assert "Traceback" not in err, err
-        runs[world] = (out, stdout)
-    return runs
+        return out, stdout
+
+    return Runs(run)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -52,7 +52,7 @@ def test_fsdp_trains_the_same_model(world, fsdp_runs, reference):
 
 def test_each_rank_holds_its_share_of_the_bytes(fsdp_runs):
     """The bytes line: the whole model's 669,706 fp32 numbers, and slices that add up to it, about 1/world each."""
-    for world, (_, log) in fsdp_runs.items():
+    for world, (_, log) in ((world, fsdp_runs[world]) for world in (1, 2, 3)):
         (line,) = [x for x in log.splitlines() if x.startswith("Parameter bytes:")]
         full, *held = [int(n.replace(",", "")) for n in re.findall(r"(?<![\w])(\d[\d,]{3,})", line)]
         assert full == 669_706 * 4 and len(held) == world and sum(held) == full, line
@@ -146,7 +146,7 @@ def test_uneven_test_shards_run_the_same_number_of_batches(real_data, tmp_path, 
     assert re.findall(r"Accuracy: [\d.]+%", log) == re.findall(r"Accuracy: [\d.]+%", single.stdout)
 
 
-@pytest.mark.parametrize("flag,env,needle", [
+BAD_FLAGS = [
     (["--epochs", "0"], TORCHRUN_ENV, "argument --epochs: must be a positive integer"),
     (["--device", "tpu"], TORCHRUN_ENV, "--device"),
     (["--save-every", "2"], TORCHRUN_ENV, "--save-every needs --snapshot"),
@@ -154,9 +154,18 @@ def test_uneven_test_shards_run_the_same_number_of_batches(real_data, tmp_path, 
     (["--test-samples", "1"], TORCHRUN_ENV, "--test-samples 1 is fewer than the 2 ranks"),
     (["--nprocs", "2"], TORCHRUN_ENV, "unrecognized arguments"),
     ([], {}, "start this script with torchrun"),
-], ids=["epochs-0", "device-tpu", "save-every-alone", "batch-63", "test-samples-1", "nprocs", "no-torchrun"])
-def test_bad_flag_exits_2_with_one_line(flag, env, needle):
-    proc = run_script("fsdp.py", *flag, env=env, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    return run_forked([("fsdp.py", flag, env) for flag, env, _ in BAD_FLAGS])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=["epochs-0", "device-tpu", "save-every-alone", "batch-63",
+                                                             "test-samples-1", "nprocs", "no-torchrun"])
+def test_bad_flag_exits_2_with_one_line(case, bad_flag_runs):
+    needle, proc = BAD_FLAGS[case][2], bad_flag_runs[case]
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == ""

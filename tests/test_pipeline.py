@@ -8,8 +8,8 @@ import pytest
 
 from common.config import pipelining_missing
 from common.metrics import read_metrics
-from conftest import (REPO, SLICE, TORCHRUN, assert_same_curves, load_state, max_abs_diff, run_script, slice_args,
-                      torchrun_script)
+from conftest import (REPO, SLICE, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked, run_script,
+                      slice_args, torchrun_script)
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV
 
@@ -32,15 +32,16 @@ def torchrun(world, args, procs, timeout=240):
 
 @pytest.fixture(scope="module")
 def pipeline_runs(real_data, tmp_path_factory, procs_module):
-    """pipeline.py on SLICE at every case: {(stages, schedule): (folder, stdout, stderr)}."""
-    runs = {}
-    for world, schedule in CASES:
+    """pipeline.py on SLICE, each case run when first asked for: {(stages, schedule): (folder, stdout, stderr)}."""
+    def run(case):
+        world, schedule = case
         out = tmp_path_factory.mktemp(f"pp{world}{schedule}")
         code, stdout, err = torchrun(world, [*slice_args(real_data, out), "--schedule", schedule, "--timeout", "60"],
                                      procs_module)
         assert code == 0, err
-        runs[world, schedule] = (out, stdout, err)
-    return runs
+        return out, stdout, err
+
+    return Runs(run)
 
 
 def accuracy_lines(log):
@@ -70,7 +71,7 @@ def test_the_pipeline_trains_the_same_model(world, schedule, pipeline_runs, refe
 
 def test_each_stage_holds_its_layers(pipeline_runs):
     """The bytes line: the whole model, and each rank only the Linear layers of its stage."""
-    for (world, _), (_, log, _) in pipeline_runs.items():
+    for (world, _), (_, log, _) in ((case, pipeline_runs[case]) for case in CASES):
         (line,) = [x for x in log.splitlines() if x.startswith("Parameter bytes:")]
         full, *held = [int(n.replace(",", "")) for n in re.findall(r"(?<![\w])(\d[\d,]{3,})", line)]
         assert full == 669_706 * 4 and held == HELD[world], line
@@ -154,7 +155,7 @@ def _is_rank(pid, rank, torchrun_pid):
     return parent == torchrun_pid and f"RANK={rank}".encode() in environ
 
 
-@pytest.mark.parametrize("flag,env,needle", [
+BAD_FLAGS = [
     (["--microbatches", "5"], TORCHRUN_ENV, "--batch-size 64 must split into --microbatches 5"),
     (["--precision", "fp16"], TORCHRUN_ENV, "pipeline.py trains in --precision fp32 or bf16"),
     (["--accum-steps", "2"], TORCHRUN_ENV, "pipeline.py takes no --accum-steps"),
@@ -164,9 +165,18 @@ def _is_rank(pid, rank, torchrun_pid):
     (["--schedule", "1f1b", "--microbatches", "2"], dict(TORCHRUN_ENV, WORLD_SIZE="3", LOCAL_WORLD_SIZE="3"),
      "--schedule 1f1b with 3 stages needs at least 3 --microbatches"),  # torch's ValueError, after the rendezvous
     ([], {}, "start this script with torchrun"),
-], ids=["microbatches-5", "fp16", "accum", "compile", "schedule-zb", "4-ranks", "1f1b-too-few", "no-torchrun"])
-def test_bad_flag_exits_2_with_one_line(flag, env, needle):
-    proc = run_script("pipeline.py", *flag, env=env, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    return run_forked([("pipeline.py", flag, env) for flag, env, _ in BAD_FLAGS])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=["microbatches-5", "fp16", "accum", "compile", "schedule-zb",
+                                                             "4-ranks", "1f1b-too-few", "no-torchrun"])
+def test_bad_flag_exits_2_with_one_line(case, bad_flag_runs):
+    needle, proc = BAD_FLAGS[case][2], bad_flag_runs[case]
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == ""

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.metrics import read_metrics
-from conftest import REPO, assert_same_curves, load_state, max_abs_diff, run_script, slice_args, torchrun_script
+from conftest import REPO, Runs, assert_same_curves, load_state, max_abs_diff, run_forked, slice_args, torchrun_script
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV
 
@@ -25,14 +25,15 @@ def torchrun(world, args, procs, timeout=240):
 
 @pytest.fixture(scope="module")
 def tp_runs(real_data, tmp_path_factory, procs_module):
-    """tensor_parallel.py on SLICE at every shape: {(ranks, dp): (folder, stdout, stderr)}."""
-    runs = {}
-    for world, dp in SHAPES:
+    """tensor_parallel.py on SLICE, each shape run when first asked for: {(ranks, dp): (folder, stdout, stderr)}."""
+    def run(shape):
+        world, dp = shape
         out = tmp_path_factory.mktemp(f"tp{world}x{dp}")
         code, stdout, err = torchrun(world, [*slice_args(real_data, out), "--dp", dp, "--timeout", "60"], procs_module)
         assert code == 0, err
-        runs[world, dp] = (out, stdout, err)
-    return runs
+        return out, stdout, err
+
+    return Runs(run)
 
 
 @pytest.mark.parametrize("world,dp", SHAPES, ids=[f"{w}ranks-dp{d}" for w, d in SHAPES])
@@ -60,7 +61,7 @@ def held_by_plan(tp, dp):
 def test_each_rank_holds_the_slices_of_the_plan(tp_runs):
     """The bytes line: the whole model's 669,706 fp32 numbers, and each rank's share as the plan cuts them (a rank that
     held the whole model, an unsplit layer, or FSDP2 left out, shows here)."""
-    for (world, dp), (_, log, _) in tp_runs.items():
+    for (world, dp), (_, log, _) in ((shape, tp_runs[shape]) for shape in SHAPES):
         (line,) = [x for x in log.splitlines() if x.startswith("Parameter bytes:")]
         full, *held = [int(n.replace(",", "")) for n in re.findall(r"(?<![\w])(\d[\d,]{3,})", line)]
         assert full == 669_706 * 4 and held == [held_by_plan(world // dp, dp)] * world, line
@@ -92,17 +93,27 @@ def test_a_snapshot_saved_at_tp_2_resumes_in_2d(momentum_run, real_data, tmp_pat
     assert_same_curves(read_metrics(out), momentum_run[1])
 
 
-@pytest.mark.parametrize("flag,env,needle", [
-    (["--dp", "3"], TORCHRUN_ENV, "--dp 3 does not divide the 2 ranks"),
-    (["--precision", "fp16"], TORCHRUN_ENV, "tensor_parallel.py trains in --precision fp32 or bf16"),
-    pytest.param(["--batch-size", "63", "--dp", "2"], TORCHRUN_ENV, "split evenly over 2",
-                 marks=pytest.mark.skipif(not FSDP2_HERE, reason="--dp 2 is refused first without FSDP2 on the CPU")),
-    (["--dp", "0"], TORCHRUN_ENV, "argument --dp: must be a positive integer"),
-    (["--nprocs", "2"], TORCHRUN_ENV, "unrecognized arguments"),
-    ([], {}, "start this script with torchrun"),
-], ids=["dp-3-of-2", "fp16", "batch-63", "dp-0", "nprocs", "no-torchrun"])
-def test_bad_flag_exits_2_with_one_line(flag, env, needle):
-    proc = run_script("tensor_parallel.py", *flag, env=env, timeout=120)
+BAD_FLAGS = {
+    "dp-3-of-2": (["--dp", "3"], TORCHRUN_ENV, "--dp 3 does not divide the 2 ranks"),
+    "fp16": (["--precision", "fp16"], TORCHRUN_ENV, "tensor_parallel.py trains in --precision fp32 or bf16"),
+    "batch-63": (["--batch-size", "63", "--dp", "2"], TORCHRUN_ENV, "split evenly over 2"),
+    "dp-0": (["--dp", "0"], TORCHRUN_ENV, "argument --dp: must be a positive integer"),
+    "nprocs": (["--nprocs", "2"], TORCHRUN_ENV, "unrecognized arguments"),
+    "no-torchrun": ([], {}, "start this script with torchrun"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    return dict(zip(BAD_FLAGS, run_forked([("tensor_parallel.py", flag, env) for flag, env, _ in BAD_FLAGS.values()])))
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(name, marks=pytest.mark.skipif(name == "batch-63" and not FSDP2_HERE,
+                                                reason="--dp 2 is refused first without FSDP2 on the CPU"))
+    for name in BAD_FLAGS])
+def test_bad_flag_exits_2_with_one_line(case, bad_flag_runs):
+    needle, proc = BAD_FLAGS[case][2], bad_flag_runs[case]
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == ""

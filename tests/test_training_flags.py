@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from common.metrics import read_metrics
-from conftest import (BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line, run_script,
-                      slice_args)
+from conftest import (BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line,
+                      run_forked, run_script, slice_args)
 from test_ddp import SAME_MODEL, _accuracy_lines, launch
 
 # --accum-steps K at 1, 2 and 3 ranks (K = 1 is test_ddp's): the same 48-image global batch as chapter 1, on 996
@@ -82,7 +82,7 @@ def test_one_gradient_sync_per_optimizer_step(wrap, collective_counts):
             assert r["collectives"] == 3 * r["steps"]  # one reduce-scatter per Linear unit per optimizer step
 
 
-@pytest.mark.parametrize("argv,needle", [
+CANNOT_WORK = [
     (["single_gpu.py", "--batch-size", "48", "--accum-steps", "5"], "--batch-size 48 must split into --accum-steps 5"),
     (["ddp_mp.py", "--nprocs", "3", "--batch-size", "48", "--accum-steps", "3"],
      "--batch-size 48 is the global batch and must split evenly over 3 ranks x 3 micro-batches; use a multiple of 9"),
@@ -90,9 +90,18 @@ def test_one_gradient_sync_per_optimizer_step(wrap, collective_counts):
     (["single_gpu.py", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["single_gpu.py", "--accum-steps", "0"], "argument --accum-steps: must be a positive integer, got 0"),
     (["single_gpu.py", "--momentum", "1"], "argument --momentum: must be at least 0 and below 1, got 1"),
-], ids=["batch-over-K", "batch-over-world-x-K", "fp16-in-fsdp", "fp8", "K0", "momentum-1"])
-def test_flags_that_cannot_work_are_one_line(argv, needle):
-    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=BASE_ENV, capture_output=True, text=True, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def cannot_work_runs():
+    return run_forked([(argv[0], argv[1:], {}) for argv, _ in CANNOT_WORK])
+
+
+@pytest.mark.parametrize("case", range(len(CANNOT_WORK)),
+                         ids=["batch-over-K", "batch-over-world-x-K", "fp16-in-fsdp", "fp8", "K0", "momentum-1"])
+def test_flags_that_cannot_work_are_one_line(case, cannot_work_runs):
+    needle, proc = CANNOT_WORK[case][1], cannot_work_runs[case]
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
 
