@@ -45,7 +45,7 @@ test: setup tools
 	$(PY) -m pytest -q -m quick
 
 test-all: setup tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 mutations: setup tools
 	$(PY) tests/mutations.py

@@ -7,12 +7,13 @@ One process, one optimizer: each step DataParallel copies the model to every GPU
 outputs on the first GPU and sums the gradients there. Simple, but one process, bottlenecked on GPU 0.
 """
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.config import parse_config
 from common.data import ShardSampler, load_fashion_mnist
-from common.engine import DataParallel, evaluate, train_one_epoch
+from common.engine import evaluate, train_one_epoch
 from common.errors import run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
@@ -44,7 +45,7 @@ def train(cfg, ctx):
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
     # Step 5, wrap: DataParallel scatters each batch over GPUs first, first+1, ...; with no CUDA at all it just calls
-    # the model. (common/engine.py's nn.DataParallel: its replicas, one thread per GPU, keep --precision's dtype.)
+    # the model. (This file's nn.DataParallel, below: its replicas, one thread per GPU, keep --precision's dtype.)
     first = ctx.device.index or 0
     n_gpu = torch.cuda.device_count() - first if ctx.device.type == "cuda" else 0
     print0(ctx, f"n_gpu: {n_gpu}")
@@ -74,6 +75,28 @@ def train(cfg, ctx):
     # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
     save_weights(getattr(model, "module", model), output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+class DataParallel(nn.DataParallel):
+    """nn.DataParallel whose replicas compute in the caller's autocast dtype (--precision bf16 stays bf16).
+
+    Each GPU's replica runs in a thread of its own, and autocast's state is per thread: torch's parallel_apply turns
+    autocast on in those threads without the dtype (torch 2.14), so they compute in the device's default, float16
+    on CUDA, with no GradScaler. Each replica here enters autocast itself with the dtype and switch of the thread
+    that called forward(), as torch's AMP notes advise ("autocast in the model's forward").
+    """
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        device_type = self.src_device_obj.type
+        dtype, enabled = torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type)
+
+        def in_callers_autocast(replica):
+            def forward(*args, **kw):
+                with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                    return replica(*args, **kw)
+            return forward
+
+        return super().parallel_apply([in_callers_autocast(r) for r in replicas], inputs, kwargs)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from common.engine import evaluate, train_one_epoch
 from common.errors import name_rank_in_errors, one_line_errors, run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, check_global_batch, default_nprocs, free_port, meet_the_group, print0,
-                          rank_device)
+from common.launch import check_global_batch, default_nprocs, free_port
+from common.ranks import DistContext, all_gather_flags, print0, rank_device
 
 
 def main():
@@ -58,12 +58,11 @@ def worker(rank, cfg, world_size):
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    torch.set_num_threads(meet_the_group(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
+    torch.set_num_threads(all_gather_flags(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
     output = prepare_output(cfg.output)
     time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 
-    # Step 4, data: chapter 1's shuffle, every world_size-th image to each rank (their k-th batches together are
-    # chapter 1's k-th batch); each rank tests a disjoint shard.
+    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
         locate_fashion_mnist(cfg.data_dir)
     dist.barrier()  # ... while the others wait here
@@ -91,11 +90,11 @@ def train(cfg, ctx):
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
-        # DDP acts inside: backward() all-reduces the gradients, except in no_sync() (--accum-steps; common/engine.py)
-        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
+        # DDP acts inside: backward() all-reduces the gradients; with --accum-steps, no_sync() holds them back
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics, no_sync=model.no_sync)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
-        if time_limit.reached(epoch + 1, cfg, ctx):
+        if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")
 

@@ -63,7 +63,8 @@ from common.engine import evaluate, train_one_epoch
 from common.errors import UsageError, name_rank_in_errors, run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import DistContext, all_reduce_sum, check_global_batch, meet_the_group, print0, rank_device
+from common.launch import check_global_batch
+from common.ranks import DistContext, all_gather_flags, all_reduce_sum, print0, rank_device
 
 BUGS = ("eval-on-rank0", "early-stop", "uneven-batches", "shape-mismatch")
 CLASSES = 10
@@ -182,7 +183,7 @@ def train(cfg, bug, fix, ctx, output, watch):
     print0(ctx, cfg.describe())
     print0(ctx, f"Case: {bug} ({'fixed' if fix else 'broken on purpose'}), {ctx.world_size} processes, "
                 f"backend {dist.get_backend()}, --timeout {cfg.timeout:g}s")
-    meet_the_group(cfg, ctx)
+    all_gather_flags(cfg, ctx)
 
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must, ...
         locate_fashion_mnist(cfg.data_dir)

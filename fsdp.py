@@ -20,24 +20,24 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common.checkpoint import (SHARDED_FIX, StopAtTimeLimit, atomic_save, find_sharded_snapshot, flat_optimizer,
-                               finish_sharded_snapshot, prepare_output, print_resumed, sharded_snapshot_due,
+from common.checkpoint import (StopAtTimeLimit, atomic_save, find_sharded_snapshot, finish_sharded_snapshot,
+                               flat_optimizer_options, prepare_output, print_resumed, sharded_snapshot_due,
                                sharded_snapshot_errors)
-from common.config import check_fsdp_flags, parse_config
+from common.config import check_fsdp2, parse_config
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
 from common.engine import evaluate, train_one_epoch
 from common.errors import name_rank_in_errors, run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, check_global_batch, check_torchrun_worker, meet_the_group, print0,
-                          print_parameter_bytes, rank_device)
+from common.launch import check_global_batch, check_torchrun_worker
+from common.ranks import DistContext, all_gather_flags, print0, print_parameter_bytes, rank_device
 
 
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
 def main():
     cfg = parse_config(description=__doc__)
-    check_fsdp_flags(cfg)  # no fp16; a test image for every rank; a torch whose FSDP2 runs here
-    check_torchrun_worker("fsdp.py")  # started by torchrun; --max-restarts with a fresh store each time
+    check_fsdp2(cfg, "fsdp.py", int(os.environ.get("WORLD_SIZE", 1)))  # no fp16; a test image per rank; FSDP2 here
+    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
     # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -62,12 +62,11 @@ def main():
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    torch.set_num_threads(meet_the_group(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
+    torch.set_num_threads(all_gather_flags(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
     output = prepare_output(cfg.output)
     time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 
-    # Step 4, data: chapter 1's shuffle, every world_size-th image to each rank (their k-th batches together are
-    # chapter 1's k-th batch); each rank tests a disjoint shard.
+    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
         locate_fashion_mnist(cfg.data_dir)
     dist.barrier()  # ... while the others wait here
@@ -76,8 +75,7 @@ def train(cfg, ctx):
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
                               sampler=train_sampler)
-    # Every forward() all-gathers weights, a collective: all ranks must run as many test batches. The shards differ
-    # by one image at most, so batches sized from the largest shard (rank 0's) come out the same number everywhere.
+    # Every forward() all-gathers (a collective): test batches sized from the largest shard, as many on every rank.
     largest = math.ceil(len(test_set) / ctx.world_size)
     test_loader = DataLoader(test_set, batch_size=math.ceil(largest / math.ceil(largest / 1000)),
                              sampler=ShardSampler(test_set, ctx.rank, ctx.world_size))
@@ -99,7 +97,7 @@ def train(cfg, ctx):
     print0(ctx, model)
     print_parameter_bytes(model, ctx)  # the whole model's, and each rank's slices
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    scaler = None  # no fp16 here (check_fsdp_flags)
+    scaler = None  # no fp16 here (refused above)
 
     first_epoch = load_sharded_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot folder holds
     metrics = MetricsLog(output, ctx, first_epoch)
@@ -107,16 +105,17 @@ def train(cfg, ctx):
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
-        # FSDP2 acts inside: forward() gathers; backward() reduce-scatters unless sync is off (--accum-steps)
-        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
+        # FSDP2 acts inside: forward() gathers; backward() reduce-scatters, but for --accum-steps' micro-batches
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics,
+                        gradient_sync=model.set_requires_gradient_sync)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
-        if time_limit.reached(epoch + 1, cfg, ctx):
+        if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")
 
-    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter). No rank has
-    # them whole: every rank sends its slices, and rank 0 gets the full state_dict on the CPU (the others get {}).
+    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
+    # No rank has them whole: every rank sends its slices, and rank 0 gets the full state_dict on the CPU.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ctx.is_main:
         atomic_save(full, output / "model.pth")
@@ -129,7 +128,7 @@ def save_sharded_snapshot(model, optimizer, epochs_done, cfg, ctx):
     if folder is None:
         return
     # this rank's slices, under the plain names (the optimizer's flattened: common/checkpoint.py says why)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=flat_optimizer())
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=flat_optimizer_options())
     with sharded_snapshot_errors(f"cannot write the snapshot {folder}", "free some space or pass another --snapshot"):
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)  # rank 0 adds .metadata
     finish_sharded_snapshot(folder, epochs_done, cfg, ctx)  # rank 0's snapshot.pt makes it count; older ones go
@@ -141,14 +140,15 @@ def load_sharded_snapshot(model, optimizer, cfg, ctx):
     if found is None:
         return 0
     folder, epochs_done, saved_by = found
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=flat_optimizer())  # slices at this size
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=flat_optimizer_options())  # this size's
     state = {"model": model_state, "optimizer": optimizer_state}
-    with sharded_snapshot_errors(f"snapshot {folder} cannot be read", SHARDED_FIX):
+    with sharded_snapshot_errors(f"snapshot {folder} cannot be read"):
         dcp.load(state, checkpoint_id=folder)  # the pieces they need, from every file, however many ranks wrote them
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=flat_optimizer())
+                   options=flat_optimizer_options())
     print_resumed(ctx, f"{folder} (saved by {saved_by} ranks, loaded by {ctx.world_size})", epochs_done, cfg)
     return epochs_done
+
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
@@ -23,22 +23,22 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
-from common.config import check_tensor_parallel_flags, parse_config
+from common.config import check_fsdp2, parse_config
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
 from common.engine import evaluate, train_one_epoch
-from common.errors import name_rank_in_errors, run_main
+from common.errors import UsageError, name_rank_in_errors, run_main
 from common.metrics import MetricsLog
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, check_global_batch, check_torchrun_worker, meet_the_group, print0,
-                          hide_2d_notices, print_parameter_bytes, rank_device)
+from common.launch import check_global_batch, check_torchrun_worker
+from common.ranks import DistContext, all_gather_flags, print0, print_parameter_bytes, rank_device
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: they take DTensors too
 
 
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
 def main():
     cfg = parse_config(description=__doc__, chapter_flags=("dp",))
-    check_tensor_parallel_flags(cfg)  # dp x tp ranks, tp divides 512; no fp16; a torch whose FSDP2 runs here
-    check_torchrun_worker("tensor_parallel.py")  # started by torchrun; --max-restarts with a fresh store each time
+    check_tensor_parallel_flags(cfg)  # below: dp x tp ranks, tp divides 512; no fp16; FSDP2 runs here for --dp
+    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
     # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -63,15 +63,22 @@ def main():
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    torch.set_num_threads(meet_the_group(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
+    torch.set_num_threads(all_gather_flags(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
     output = prepare_output(cfg.output)
     time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 
     # The mesh: the ranks as a grid of dp rows by tp columns. Rank r sits in row r // tp: the tp ranks of a row are
-    # neighbours (one machine, its fast links), because they talk in every layer; the rows talk once per step.
+    # neighbours (one machine, its fast links), because they talk in every layer; the rows talk once per step. Its
+    # groups are made here so that they too wait --timeout at most (init_device_mesh's own would wait torch's
+    # default, 30 minutes on gloo, for a rank that stopped: measured in the tests).
     tp = ctx.world_size // cfg.dp
-    mesh = init_device_mesh(ctx.device.type, (cfg.dp, tp), mesh_dim_names=("dp", "tp"))
-    print0(ctx, f"Mesh: {cfg.dp} data-parallel group(s) (dp) x {tp} ranks splitting each layer (tp)")
+    grid = torch.arange(ctx.world_size).reshape(cfg.dp, tp)
+    wait = timedelta(seconds=cfg.timeout)
+    dp_group, _ = dist.new_subgroups_by_enumeration(grid.T.tolist(), timeout=wait)  # a column: one rank of each row
+    tp_group, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=wait)  # a row: the ranks splitting layers
+    mesh = DeviceMesh.from_group([dp_group, tp_group], ctx.device.type, mesh=grid, mesh_dim_names=("dp", "tp"))
+    print0(ctx, f"Mesh: {cfg.dp} data-parallel group(s) (dp) x {tp} ranks splitting each layer (tp); rank 0 splits "
+                f"its layers with ranks {mesh['tp'].mesh.tolist()}")
     dp_rank = mesh.get_local_rank("dp")
     # The losses and test counts are summed over one rank per batch (a row's tp ranks compute the same numbers).
     ctx = replace(ctx, data_group=mesh.get_group("dp"))
@@ -107,7 +114,7 @@ def train(cfg, ctx):
                       input_fn=lambda _, inputs, tp_mesh: DTensor.from_local(inputs[0], tp_mesh, [Replicate()]),
                       output_fn=lambda _, logits, tp_mesh: logits.to_local())
     if cfg.dp > 1:  # 2-D: chapter 7's FSDP2 cuts each rank's slices again, over the dp rows, and averages the rows
-        hide_2d_notices()  # two notices torch prints on every rank of a 2-D run; why they ask nothing: common/ranks.py
+        hide_2d_notices()  # two notices torch prints on every rank of a 2-D run; why they ask nothing: below
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
         policy = MixedPrecisionPolicy(**bf16) if cfg.precision == "bf16" else MixedPrecisionPolicy()
         for layer in model.linear_relu_stack:
@@ -117,9 +124,12 @@ def train(cfg, ctx):
     if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
+    for name, weight in model.named_parameters():  # what the plan made of each weight: its placement on each mesh dim
+        print0(ctx, f"  {name}: {list(weight.shape)} {weight.placements} on {weight.device_mesh.mesh_dim_names}, "
+                    f"rank 0 holds {list(weight.to_local().shape)}")
     print_parameter_bytes(model, ctx)  # the whole model's, and each rank's slices
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    scaler = None  # no fp16 here (check_tensor_parallel_flags)
+    scaler = None  # no fp16 here (check_tensor_parallel_flags, below)
 
     first_epoch = load_sharded_snapshot(model, optimizer, cfg, ctx)  # 0, or the epochs a --snapshot folder holds
     metrics = MetricsLog(output, ctx, first_epoch)
@@ -128,10 +138,12 @@ def train(cfg, ctx):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
         # Tensor parallel acts inside every forward() (the all-reduce); with --dp, FSDP2 gathers and reduce-scatters
-        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
+        # (but for --accum-steps' micro-batches, held back as in chapter 7)
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics,
+                        gradient_sync=model.set_requires_gradient_sync if cfg.dp > 1 else None)
         evaluate(model, test_loader, epoch, ctx, metrics)
         save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
-        if time_limit.reached(epoch + 1, cfg, ctx):
+        if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")
 
@@ -141,6 +153,39 @@ def train(cfg, ctx):
     if ctx.is_main:
         atomic_save(full, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+
+HIDDEN = 512  # the model's hidden width: tensor parallelism cuts it into equal slices
+
+
+def check_tensor_parallel_flags(cfg):
+    """This chapter's refusals, each one line and exit 2 before any rendezvous: a world size that is not dp x tp, tp
+    not dividing the 512 hidden units, then what sharded weights refuse (fp16; FSDP2's own needs at --dp 2+)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size % cfg.dp:
+        raise UsageError(f"--dp {cfg.dp} does not divide the {world_size} ranks into equal tensor-parallel groups; "
+                         f"use a --dp that divides {world_size}")
+    tp = world_size // cfg.dp
+    if HIDDEN % tp:
+        raise UsageError(f"{tp} ranks per tensor-parallel group (world size {world_size} / --dp {cfg.dp}) do not "
+                         f"split the {HIDDEN} hidden units evenly; use 1, 2, 4, 8 ... ranks per group")
+    check_fsdp2(cfg, "tensor_parallel.py", cfg.dp, uses_fsdp2=cfg.dp > 1)
+
+
+def hide_2d_notices():
+    """Two notices torch 2.14 prints on every rank of a 2-D (FSDP2 x tensor parallel) run, hidden: neither asks
+    anything of this model.
+
+    FSDP2 warns that a tp Linear "returned a view tensor", which an in-place op (x += y) would break: no op after
+    these Linears is in place (ReLU(inplace=False)). The save's full state_dict gathers each 2-D weight in two
+    all-gathers, which DTensor calls "suboptimal": once per run, a latency of milliseconds.
+    """
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""Weights and snapshots on disk: written atomically, loaded safely (weights_only=True), without `module.`."""
+"""Weights and snapshots on disk: written atomically by rank 0, loaded safely (weights_only=True), without `module.`.
+
+A snapshot holds whole epochs: each epoch's data order comes from seed + epoch, so the epochs done are all the data
+state there is. Chapter 7's sharded snapshots (chapters 9 and 10 take them too) are folders DIR/epoch-N that
+fsdp.py fills with its four torch.distributed.checkpoint calls; the folders, their flags file and errors are here.
+"""
 import contextlib
 import io
 import os
@@ -16,9 +21,11 @@ from common.errors import FatalError
 from common.ranks import all_reduce_sum, print0
 
 SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v2"
-# The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones.
-# The world size, device, data folder and --epochs may change: the same global batch trains the same model.
-# --accum-steps may change too (the same global batch), --precision may not (bf16 steps are not fp32 steps).
+SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v2"  # v2: the optimizer state flattened
+SHARDED_FIX = FIX = "delete it to start afresh, or pass another --snapshot"
+# The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones. The
+# world size, device, data folder, --epochs and --accum-steps may change (the same global batch trains the same
+# model); --precision may not (bf16 steps are not fp32 steps).
 TRAJECTORY_FLAGS = ("batch_size", "lr", "momentum", "seed", "train_samples", "precision")
 
 
@@ -35,15 +42,9 @@ def prepare_output(folder, flag="--output"):
 
 
 def atomic_save(obj, path):
-    """torch.save to a temporary file in the same folder, fsync, then rename: a crash never leaves half a file.
-
-    The bytes are made in memory first, so a full disk shows up as a plain OSError from write() (torch's own
-    zip writer reports it as an obscure RuntimeError), and the old file stays in place until the rename.
-    """
-    path = Path(path)
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    tmp = None
+    """torch.save to a temporary file beside path, fsync, then rename: a crash never leaves half a file."""
+    path, buffer, tmp = Path(path), io.BytesIO(), None
+    torch.save(obj, buffer)  # in memory first: a full disk is then write()'s plain OSError, not torch's zip error
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -63,70 +64,64 @@ def save_weights(model, path):
     atomic_save(model.state_dict(), path)
 
 
-def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx):
-    """With --snapshot, every --save-every epochs and after the last: rank 0 writes one, every rank waits for it.
+def snapshot_due(epochs_done, cfg):
+    """With --snapshot: every --save-every epochs and after the last one."""
+    return cfg.snapshot and (epochs_done % cfg.save_every == 0 or epochs_done == cfg.epochs)
 
-    The wait is a sum of "written" flags, so when rank 0 cannot write (full disk, read-only folder) all ranks
-    stop with an error instead of training on without a snapshot. The data order needs no state of its own:
-    each epoch's shuffle is drawn from seed + epoch, so the number of epochs done is enough.
-    """
-    if not cfg.snapshot or (epochs_done % cfg.save_every and epochs_done != cfg.epochs):
-        return
+
+def on_rank0_then_all_reduce(write, ctx, what):
+    """Rank 0 runs write(); an all-reduce of the ranks' success flags then stops every rank if it failed."""
     error = None
     if ctx.is_main:
-        snapshot = dict(format=SNAPSHOT_FORMAT, epochs_done=epochs_done,
-                        model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
-                        optimizer=optimizer.state_dict(), config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS},
-                        scaler=scaler.state_dict() if scaler else None)  # fp16's loss scale, grown over the steps
         try:
-            atomic_save(snapshot, cfg.snapshot)
-        except FatalError as e:
-            error = e
+            write()
+        except (FatalError, OSError) as e:
+            error = e if isinstance(e, FatalError) else FatalError(f"cannot {what}: {e}")
     (written,) = all_reduce_sum([error is None], ctx)
     if error is not None:
         raise error
     if written < ctx.world_size:
-        raise FatalError(f"rank 0 could not write the snapshot {cfg.snapshot} (see its error)")
+        raise FatalError(f"rank 0 could not {what} (see its error)")
 
 
-class StopAtTimeLimit:
-    """SIGUSR1, which SLURM sends ahead of a job's time limit (scripts/job.sh: --signal=B:USR1@180): the ranks stop
-    after the epoch it came in, once a --snapshot holds it, and the requeued job resumes from there.
+def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx):
+    """With --snapshot, when due: rank 0 writes the snapshot file; every rank learns whether it could (all-reduce)."""
+    if not snapshot_due(epochs_done, cfg):
+        return
+    def write():
+        atomic_save(dict(format=SNAPSHOT_FORMAT, epochs_done=epochs_done,
+                         config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS},
+                         model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
+                         optimizer=optimizer.state_dict(),
+                         scaler=scaler.state_dict() if scaler else None), cfg.snapshot)  # fp16's loss scale
 
-    Made before the first epoch, in the main thread (it installs the handler). Why at an epoch's end: snapshots hold
-    whole epochs, and each epoch's data order comes from seed + epoch (docs/slurm.md).
-    """
-
-    def __init__(self):
-        self.warned = threading.Event()
-        signal.signal(signal.SIGUSR1, lambda signum, frame: self.warned.set())
-
-    def reached(self, epochs_done, cfg, ctx):
-        """After each epoch, on every rank: True (and one line) when any rank was warned and the snapshot holds it.
-
-        Every rank adds its flag, so all stop after the same epoch, or none does. Without --snapshot there is nothing
-        to resume from: go on.
-        """
-        (warned,) = all_reduce_sum([self.warned.is_set()], ctx)
-        if warned and cfg.snapshot and epochs_done % cfg.save_every == 0 and epochs_done < cfg.epochs:
-            print0(ctx, f"Stopping after epoch {epochs_done} of {cfg.epochs} (SIGUSR1: the time limit is near); "
-                        f"{cfg.snapshot} holds it")
-            return True
-        return False
+    on_rank0_then_all_reduce(write, ctx, f"write the snapshot {cfg.snapshot}")
 
 
-def check_resumable(made_with, epochs_done, cfg, where, fix):
-    """A snapshot made with these trajectory flags and epochs_done can continue this run; else one line saying why."""
-    made_with = {"precision": "fp32", "momentum": 0.0, **made_with}  # older snapshots: from before these flags
+def read_snapshot(path, kind, device="cpu"):
+    """A snapshot file of this tutorial's `kind` format, loaded with weights_only (no pickled code); else one line."""
+    try:
+        snapshot = torch.load(path, map_location=device, weights_only=True)  # straight onto this rank's device
+    except Exception as e:  # cut off, not a torch file, a pickle weights_only refuses
+        raise FatalError(f"snapshot {path} cannot be read ({type(e).__name__}): is it cut off or another kind of "
+                         f"file? {FIX}") from None
+    if not isinstance(snapshot, dict) or snapshot.get("format") != kind:
+        raise FatalError(f"{path} is not a snapshot of this tutorial (a model.pth or another program's file?); {FIX}")
+    return snapshot
+
+
+def check_resumable(about, cfg, where):
+    """A snapshot made with these trajectory flags and epochs done can continue this run; else one line saying why."""
+    made_with, epochs_done = {"precision": "fp32", "momentum": 0.0, **about["config"]}, about["epochs_done"]
     different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
     if different:
         theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
         ours = " ".join(flag_text(n, getattr(cfg, n)) for n in different)
         raise FatalError(f"snapshot {where} was made with {theirs}, this run has {ours}; resume with the "
-                         f"snapshot's flags, or {fix}")
+                         f"snapshot's flags, or {FIX}")
     if epochs_done > cfg.epochs:
         raise FatalError(f"snapshot {where} has {epochs_done} epochs done, more than --epochs {cfg.epochs}; pass "
-                         f"--epochs {epochs_done} or more, or {fix}")
+                         f"--epochs {epochs_done} or more, or {FIX}")
 
 
 def load_snapshot(model, optimizer, scaler, cfg, ctx):
@@ -137,25 +132,15 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx):
     prepare_output(path.parent, "--snapshot")  # fail now, not after the first epoch
     if not path.exists():
         return 0
-    fix = "delete it to start afresh, or pass another --snapshot"
-    try:
-        # weights_only: tensors and plain containers only, no pickled code. map_location: straight onto this
-        # rank's device, so the ranks of one machine do not all pile their copies onto GPU 0 first.
-        snapshot = torch.load(path, map_location=ctx.device, weights_only=True)
-    except Exception as e:  # truncated zip, a pickle weights_only refuses, not a torch file at all
-        raise FatalError(f"snapshot {path} cannot be read ({type(e).__name__}): is it cut off or another kind "
-                         f"of file? {fix}") from None
-    if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
-        raise FatalError(f"{path} is not a snapshot of this tutorial (a model.pth or another program's file?); {fix}")
-    check_resumable(snapshot["config"], snapshot["epochs_done"], cfg, path, fix)
+    snapshot = read_snapshot(path, SNAPSHOT_FORMAT, ctx.device)
+    check_resumable(snapshot, cfg, path)
     try:
         getattr(model, "module", model).load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
         if scaler and snapshot.get("scaler"):
             scaler.load_state_dict(snapshot["scaler"])
     except (RuntimeError, ValueError, KeyError) as e:
-        reason = str(e).strip().splitlines()[0]
-        raise FatalError(f"snapshot {path} holds a different model ({reason}); {fix}") from None
+        raise FatalError(f"snapshot {path} holds a different model ({str(e).strip().splitlines()[0]}); {FIX}") from None
     print_resumed(ctx, path, snapshot["epochs_done"], cfg)
     return snapshot["epochs_done"]
 
@@ -166,64 +151,63 @@ def print_resumed(ctx, where, epochs_done, cfg):
     print0(ctx, f"Resuming from {where}: {epochs_done} of {cfg.epochs} epochs done, {left}")
 
 
-# Chapter 7's sharded snapshots: fsdp.py makes the four torch.distributed.checkpoint calls (get_state_dict, dcp.save,
-# dcp.load, set_state_dict); the folders, the flags file and the errors around them are kept here.
-SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v2"  # v2: the optimizer state flattened
+class StopAtTimeLimit:
+    """SIGUSR1, which SLURM sends ahead of a job's time limit (scripts/job.sh: --signal=B:USR1@180): the ranks stop
+    after the epoch it came in, once a --snapshot holds it, and the requeued job resumes from there. Made before the
+    first epoch, in the main thread (it installs the handler)."""
+
+    def __init__(self):
+        self.warned = threading.Event()
+        signal.signal(signal.SIGUSR1, lambda signum, frame: self.warned.set())
+
+    def any_rank_warned(self, epochs_done, cfg, ctx):
+        """After each epoch, an all-reduce of every rank's warning: True (and one line) when any rank was warned and
+        a snapshot holds this epoch, so all ranks stop after the same epoch, or none (without --snapshot: none)."""
+        (warned,) = all_reduce_sum([self.warned.is_set()], ctx)
+        if warned and snapshot_due(epochs_done, cfg) and epochs_done < cfg.epochs:
+            print0(ctx, f"Stopping after epoch {epochs_done} of {cfg.epochs} (SIGUSR1: the time limit is near); "
+                        f"{cfg.snapshot} holds it")
+            return True
+        return False
 
 
-def flat_optimizer():
-    """get_state_dict's options for sharded snapshots: the optimizer's state as one entry per weight and setting (its
-    momentum, its lr, ...). Chapter 10's stages hold different weights, and each must find its own settings in a
-    snapshot, whichever stage saved them (unflattened, param_groups list the saving rank's weights)."""
+def flat_optimizer_options():
+    """get_state_dict's StateDictOptions for sharded snapshots, the optimizer's state flattened: one entry per weight
+    and setting, so a pipeline stage finds its own whichever stage saved them (else param_groups list the saver's)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions  # a second of imports chapter 1 need not pay
 
     return StateDictOptions(flatten_optimizer_state_dict=True)
-SHARDED_FIX = "delete it to start afresh, or pass another --snapshot"
 
 
 def sharded_snapshot_due(epochs_done, cfg):
     """The folder to write this epoch's sharded snapshot to (DIR/epoch-N), or None when no snapshot is due."""
-    if not cfg.snapshot or (epochs_done % cfg.save_every and epochs_done != cfg.epochs):
-        return None
-    return Path(cfg.snapshot) / f"epoch-{epochs_done}"
+    return Path(cfg.snapshot) / f"epoch-{epochs_done}" if snapshot_due(epochs_done, cfg) else None
 
 
 @contextlib.contextmanager
-def sharded_snapshot_errors(what, fix):
-    """Around dcp.save / dcp.load: torch's CheckpointException (raised on every rank when any rank failed) becomes
-    one line naming the first failing rank's reason."""
+def sharded_snapshot_errors(what, fix=SHARDED_FIX):
+    """Around dcp.save / dcp.load: torch's CheckpointException (on every rank when any failed) as one line."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except CheckpointException as e:
-        failures = getattr(e, "failures", None) or {}
-        first = next(iter(failures.values()), (e, None))[0]
+        first = next(iter((getattr(e, "failures", None) or {}).values()), (e, None))[0]  # the first failing rank's
         sentence = re.split(r"(?<=\.)\s|;\s", str(first).strip())[0]  # torch's messages run on for several sentences
-        reason = f"{type(first).__name__}: {sentence}" if sentence else type(first).__name__
-        raise FatalError(f"{what} ({reason}): {fix}") from None
+        raise FatalError(f"{what} ({type(first).__name__}{f': {sentence}' if sentence else ''}): {fix}") from None
 
 
 def finish_sharded_snapshot(folder, epochs_done, cfg, ctx):
-    """After every rank wrote its slices to folder: rank 0 writes folder/snapshot.pt (the flags, the epochs done, the
-    world size), which makes the snapshot count, then removes the older epoch-* folders. A run killed before this
-    leaves the previous snapshot to resume from. Every rank learns whether rank 0 managed."""
-    error = None
-    if ctx.is_main:
-        about = dict(format=SHARDED_FORMAT, epochs_done=epochs_done, world_size=ctx.world_size,
-                     config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS})
-        try:
-            atomic_save(about, folder / "snapshot.pt")
-            for old in Path(cfg.snapshot).glob("epoch-*"):
-                if old != folder:
-                    shutil.rmtree(old)
-        except (FatalError, OSError) as e:
-            error = e
-    (written,) = all_reduce_sum([error is None], ctx)
-    if error is not None:
-        raise error if isinstance(error, FatalError) else FatalError(f"cannot remove an old snapshot: {error}")
-    if written < ctx.world_size:
-        raise FatalError(f"rank 0 could not finish the snapshot {folder} (see its error)")
+    """Once every rank wrote its slices: rank 0's folder/snapshot.pt makes the snapshot count (a run killed before it
+    resumes from the previous one), and the older epoch-* folders go; every rank learns whether it managed."""
+    def write():
+        atomic_save(dict(format=SHARDED_FORMAT, epochs_done=epochs_done, world_size=ctx.world_size,
+                         config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS}), folder / "snapshot.pt")
+        for old in Path(cfg.snapshot).glob("epoch-*"):
+            if old != folder:
+                shutil.rmtree(old)
+
+    on_rank0_then_all_reduce(write, ctx, f"finish the snapshot {folder}")
 
 
 def find_sharded_snapshot(cfg):
@@ -236,21 +220,10 @@ def find_sharded_snapshot(cfg):
         raise FatalError(f"--snapshot {root} is a file; sharded snapshots are folders (one file per rank, written "
                          f"by torch.distributed.checkpoint): pass a folder name, e.g. --snapshot runs/snap-fsdp")
     prepare_output(root, "--snapshot")  # fail now, not after the first epoch
-    finished = sorted((p.parent for p in root.glob("epoch-*/snapshot.pt")), key=_epoch_number)
+    number = lambda folder: int(folder.name[6:]) if folder.name[6:].isdigit() else -1  # noqa: E731  (epoch-N)
+    finished = sorted((p.parent for p in root.glob("epoch-*/snapshot.pt")), key=number)
     if not finished:
         return None
-    folder = finished[-1]
-    try:
-        about = torch.load(folder / "snapshot.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # cut off, not a torch file, a pickle weights_only refuses
-        raise FatalError(f"snapshot {folder} cannot be read ({type(e).__name__} in snapshot.pt): {SHARDED_FIX}") from None
-    if not isinstance(about, dict) or about.get("format") != SHARDED_FORMAT:
-        raise FatalError(f"{folder} is not a sharded snapshot of this tutorial; {SHARDED_FIX}")
-    check_resumable(about["config"], about["epochs_done"], cfg, folder, SHARDED_FIX)  # same flags, not ahead
-    return folder, about["epochs_done"], about["world_size"]
-
-
-def _epoch_number(folder):
-    """N of an epoch-N folder (-1 for a name that has no number)."""
-    number = folder.name.removeprefix("epoch-")
-    return int(number) if number.isdigit() else -1
+    about = read_snapshot(finished[-1] / "snapshot.pt", SHARDED_FORMAT)
+    check_resumable(about, cfg, finished[-1])  # the same flags, not ahead of --epochs
+    return finished[-1], about["epochs_done"], about["world_size"]

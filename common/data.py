@@ -1,94 +1,12 @@
-"""FashionMNIST without internet: find the IDX files, decode them once into tensors, serve them to a DataLoader."""
-import gzip
-import math
+"""FashionMNIST as every chapter trains on it: found offline, already on the device, served to a DataLoader."""
 import os
-import socket
-import struct
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from common.errors import FatalError
-
-# Debian's dataset-fashion-mnist package installs the four .gz files here.
-SYSTEM_DIR = os.environ.get("FASHION_MNIST_SYSTEM_DIR", "/usr/share/datasets/fashion-mnist")
-FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-HOW_TO_GET = (
-    "get it with `sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu), "
-    "or run once with internet access (torchvision downloads it to ./data), "
-    "or pass --data-dir DIR holding the four IDX files"
-)
-
-
-def read_idx(path):
-    """Decode one uint8 IDX file (raw or .gz) into a tensor shaped by its header; damaged files raise FatalError."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            magic = f.read(4)
-            if len(magic) != 4 or magic[:3] != b"\x00\x00\x08":
-                raise FatalError(f"{path} is not a uint8 IDX file (bad header); delete it and fetch the data again")
-            shape = struct.unpack(f">{magic[3]}I", f.read(4 * magic[3]))
-            # Read straight into one preallocated buffer, a MiB at a time: gzip decompresses each read into a new
-            # bytes object first, so one read of the whole file would hold the 47 MB training images twice.
-            buf = bytearray(math.prod(shape))
-            view, got = memoryview(buf), 0
-            while got < len(buf):
-                n = f.readinto(view[got:got + 2**20])
-                if not n:
-                    break
-                got += n
-            if got < len(buf) or f.read(1):
-                raise FatalError(
-                    f"{path} is truncated or has extra bytes (header says {len(buf)} bytes of data, found {got}"
-                    f"{'+' if got == len(buf) else ''}); delete it and fetch the data again"
-                )
-    except (OSError, EOFError, struct.error) as e:  # unreadable, bad gzip, cut-off header or stream
-        raise FatalError(f"cannot read {path}: {e}; delete it and fetch the data again") from None
-    return torch.frombuffer(buf, dtype=torch.uint8).view(*shape)
-
-
-def _find_split_files(folder, split):
-    """Paths of a split's (images, labels) in folder, raw or .gz, flat or torchvision layout; None if absent."""
-    found = []
-    for name in FILES[split]:
-        candidates = [d / n for d in (folder / "FashionMNIST" / "raw", folder) for n in (name, name + ".gz")]
-        path = next((c for c in candidates if c.is_file()), None)
-        if path is None:
-            return None
-        found.append(path)
-    return tuple(found)
-
-
-def _download(root):
-    """Let torchvision download FashionMNIST into root; returns None on success, else why it could not."""
-    if os.environ.get("FASHION_MNIST_OFFLINE"):
-        return "FASHION_MNIST_OFFLINE is set, so no download was tried"
-    try:
-        from torchvision.datasets import FashionMNIST  # only needed here, so training never imports it
-    except ImportError:
-        return "torchvision is not installed to download it"
-    previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(30)  # no internet should fail fast, not hang
-    made = [d for d in (root, root / "FashionMNIST", root / "FashionMNIST" / "raw") if not d.exists()]
-    try:
-        for train in (True, False):
-            FashionMNIST(root, train=train, download=True)
-    except Exception as e:  # torchvision raises RuntimeError, URLError, ... when offline
-        for folder in reversed(made):  # leave no empty data/FashionMNIST/raw behind; files that did arrive stay
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        return f"the download failed ({type(e).__name__}: {e})"
-    finally:
-        socket.setdefaulttimeout(previous)
-    return None
+from common.idx import HOW_TO_GET, SYSTEM_DIR, download, find_split_files, read_idx
 
 
 def locate_fashion_mnist(data_dir=None):
@@ -102,12 +20,13 @@ def locate_fashion_mnist(data_dir=None):
         root = Path("data")
         searched = [root, Path(SYSTEM_DIR)]
     for folder in searched:
-        if _find_split_files(folder, "train") and _find_split_files(folder, "test"):
+        if find_split_files(folder, "train") and find_split_files(folder, "test"):
             return folder
-    why = _download(root)
-    if why is None and _find_split_files(root, "train") and _find_split_files(root, "test"):
+    why = download(root)
+    if why is None and find_split_files(root, "train") and find_split_files(root, "test"):
         return root
-    raise FatalError(f"FashionMNIST not found in {', '.join(map(str, searched))} and {why or 'the download left no files'}; {HOW_TO_GET}")
+    raise FatalError(f"FashionMNIST not found in {', '.join(map(str, searched))} and "
+                     f"{why or 'the download left no files'}; {HOW_TO_GET}")
 
 
 class TensorImages(Dataset):
@@ -121,7 +40,8 @@ class TensorImages(Dataset):
 
     def __init__(self, images, labels):
         if len(images) != len(labels):
-            raise FatalError(f"FashionMNIST files disagree: {len(images)} images but {len(labels)} labels; fetch the data again")
+            raise FatalError(f"FashionMNIST files disagree: {len(images)} images but {len(labels)} labels; fetch the "
+                             f"data again")
         self.images, self.labels = images, labels
 
     def __len__(self):
@@ -132,7 +52,7 @@ class TensorImages(Dataset):
 
     def __getitems__(self, indices):  # the DataLoader's batched fetch: one gather and one scaling per batch
         index = torch.tensor(indices)
-        if self.labels.device.type != "cpu":  # from pinned memory a copy to the GPU need not wait for it (pageable: sync)
+        if self.labels.device.type != "cpu":  # pinned, so the copy to the GPU need not wait for it (pageable: a sync)
             index = (index.pin_memory() if self.labels.is_cuda else index).to(self.labels.device, non_blocking=True)
         images = self.images.index_select(0, index).float().div_(255)  # ToTensor's scaling, for the whole batch
         return list(zip(images.unbind(0), self.labels.index_select(0, index).unbind(0)))
@@ -144,7 +64,7 @@ class TensorImages(Dataset):
 
 def load_split(folder, split, device):
     """Decode one split from folder and move it to device once (on CUDA the whole set lives on the GPU)."""
-    images_path, labels_path = _find_split_files(Path(folder), split)
+    images_path, labels_path = find_split_files(Path(folder), split)
     images, labels = read_idx(images_path), read_idx(labels_path)
     if images.dim() != 3 or images.shape[1:] != (28, 28) or labels.dim() != 1:
         raise FatalError(f"{images_path} does not hold 28x28 images; is this FashionMNIST?")

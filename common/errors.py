@@ -25,14 +25,9 @@ _rank = None  # this process's global rank in a multi-process run, for the [rank
 
 
 def name_rank_in_errors(rank, world_size):
-    """From now on this process's error lines start with [rank N], where there are several ranks (every DDP chapter
-    calls it once it knows who it is)."""
+    """From now on this process's error lines start with [rank N], where there are several ranks."""
     global _rank
     _rank = rank if world_size > 1 else None
-
-
-def _seconds(ms):
-    return f"{int(ms) / 1000:g}s"
 
 
 NO_RANK0 = ("rank 0 is not running there, a firewall blocks the port, or the address is wrong. Start rank 0, check "
@@ -41,26 +36,24 @@ MISSING_PEERS = ("start every rank, with the same address and world size; a fire
                  "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the wrong interface, keeps them apart too")
 
 
-def _busy_port(m, text):
-    port = re.search(r"port: (\d+)", text)
-    return (f"port {port[1] if port else '?'} is busy (another job or a leftover process holds it); pick a free "
-            f"port (MASTER_PORT, --init-method tcp://HOST:OTHER_PORT) or stop the old job")
-
-
-# torch's own messages (seen on torch 2.14.1), each recognised by its words and explained in one line.
+PORT = r"port: (\d+)"
+# torch's own messages (seen on torch 2.14.1; Triton's on 2.11 too), each recognised by its words and explained in one
+# line that names the fix, which torch's own text does not; any other message keeps its own words (explain).
 _EXPLAINED = [
-    (r"EADDRINUSE|ddress already in use", _busy_port),
+    (r"EADDRINUSE|ddress already in use", lambda m, text: (
+        f"port {(re.search(PORT, text) or ['', '?'])[1]} is busy (another job or a leftover process holds it); pick "
+        f"a free port (MASTER_PORT, --init-method tcp://HOST:OTHER_PORT) or stop the old job")),
     (r"Unable to find address for: ?(\S+)", lambda m, text: (
         f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', m[1])} is not a network interface of this "
         f"machine; set it to the one on the network the ranks share (`ip -br addr` lists them), or unset it")),
     (r"timed out after (\d+)ms while trying to connect to \((.+), (\d+)\)", lambda m, text: (
-        f"no rendezvous at {m[2]}:{m[3]} within {_seconds(m[1])}: {NO_RANK0}")),
+        f"no rendezvous at {m[2]}:{m[3]} within {int(m[1]) / 1000:g}s: {NO_RANK0}")),
     (r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", lambda m, text: (
         f"only {m[2]} of {m[3]} processes reached the rendezvous within {m[1]}s: {MISSING_PEERS}")),
     # --compile on the CPU: Inductor builds its kernels with the C++ compiler in $CXX (default g++).
     (r"No working C\+\+ compiler found", lambda m, text: (
-        f"--compile needs a working C++ compiler to build its CPU kernels (g++, or the one $CXX names) and found "
-        f"none: install one (`apt-get install g++`, as `make tools` does), or run without --compile")),
+        "--compile needs a working C++ compiler to build its CPU kernels (g++, or the one $CXX names) and found "
+        "none: install one (`apt-get install g++`, as `make tools` does), or run without --compile")),
     # --compile on a GPU: Triton builds a small C launcher with the C compiler in $CC (else gcc or clang) and Python's
     # headers; with no compiler it says so, and a failed build ends in the compiler's command (its error is above).
     (r"Failed to find C\+?\+? compiler", lambda m, text: (
@@ -86,11 +79,10 @@ _EXPLAINED = [
     (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m, text: (
         f"lost contact with the other ranks ({_first_line(text)}): another rank died (see its log), or the "
         f"network between them failed")),
-    # gloo, once the group is up: a peer stopped answering but kept its connection (stopped, hung, or elsewhere).
-    # The operation that timed out says so with its limit; gloo then closes the process's other connections, and
-    # an operation waiting on one of those may be the one that reaches Python, with the second message.
+    # gloo, once the group is up: a peer stopped answering but kept its connection (stopped, hung, or elsewhere); the
+    # operation that timed out says so, or one waiting on a connection gloo then closed ("pair closure").
     (r"Timed out waiting (\d+)ms for (?:recv|send) operation|Application timeout caused pair closure", lambda m, text: (
-        f"no answer from another rank within --timeout{f' ({_seconds(m[1])})' if m[1] else ''}: one of them is "
+        f"no answer from another rank within --timeout{f' ({int(m[1]) / 1000:g}s)' if m[1] else ''}: one of them is "
         f"stopped or stuck (see its log), or the network between them stalled")),
 ]
 
@@ -144,14 +136,9 @@ def stop(error, rank=None):
 def end_process(code):
     """Flush what was printed, then end the process with code at once, without Python's interpreter shutdown.
 
-    torch's process groups outlive destroy_process_group(): DDP's constructor imports torch.distributed.nn.functional,
-    whose `group=group.WORLD` default arguments then hold the group, and FSDP2's meshes stay in DTensor's caches. Their
-    gloo worker threads take the GIL to free each finished collective's tensors. During the interpreter's shutdown a
-    thread that asks for the GIL is ended by pthread_exit, whose unwinding meets a C++ destructor that may not throw:
-    std::terminate, "terminate called without an active exception", SIGABRT after the run's last line (torch 2.14.1,
-    Python 3.11: 4 of 30 two-rank torchrun runs of tests/collective_counter.py's first version; the same crash in
-    pytorch/pytorch#179291, whose fix was not merged). os._exit skips that shutdown; the operating system frees the
-    rest, as it would anyway.
+    torch's process groups outlive destroy_process_group() (DDP's and DTensor's caches hold them), and a gloo thread
+    that asks for the GIL during the shutdown is ended by pthread_exit: std::terminate, SIGABRT after the run's last
+    line (4 of 30 two-rank runs on torch 2.14.1; pytorch/pytorch#179291, not fixed). os._exit skips that shutdown.
     """
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -177,10 +164,7 @@ def one_line_errors(fn):
 
 
 def run_main(main):
-    """Run an entry script's main(): any exception is one line and a non-zero exit; Ctrl-C exits 130.
-
-    Every way out ends in end_process(), which skips the interpreter's shutdown (it can abort after a distributed run).
-    """
+    """Run an entry script's main(): an exception is one line and a non-zero exit, Ctrl-C 130; all end in end_process."""
     from torch.multiprocessing import ProcessExitedException
 
     try:

@@ -21,10 +21,3 @@ class NeuralNetwork(nn.Module):
         x = self.flatten(x)
         return self.linear_relu_stack(x)
 
-
-def describe_stages(layers, cuts):
-    """The layers of each pipeline stage, e.g. "Flatten, Linear 784->512, ReLU | Linear 512->512, ReLU, Linear 512->10"."""
-    def name(layer):
-        return f"Linear {layer.in_features}->{layer.out_features}" if isinstance(layer, nn.Linear) else type(layer).__name__
-
-    return " | ".join(", ".join(name(layer) for layer in layers[a:b]) for a, b in zip(cuts, cuts[1:]))

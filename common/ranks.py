@@ -1,16 +1,13 @@
-"""Who this process is among the ranks: its DistContext and device, rank-0 printing, sums over all ranks."""
+"""Who this process is among the ranks, which device it computes on, and the few things all ranks say together."""
 import os
 import socket
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from common.config import flag_text
-from common.errors import NO_RANK0, FatalError, UsageError
+from common.errors import FatalError, UsageError
 
 
 @dataclass(frozen=True)
@@ -40,13 +37,9 @@ def choose_device(requested=None):
 
 
 def rank_device(requested, local_rank, ranks_here=None):
-    """A DDP rank's device: cuda:<local rank> where GPUs are used, else the CPU; one line for what cannot work.
-
-    ranks_here is how many ranks this machine runs, where the launcher starts them all with the same GPUs visible
-    (torchrun, mp.spawn). Where it is not given (srun, ranks started by hand), a rank may have been shown only its
-    own GPU (`srun --gpus-per-task 1`, `--gpu-bind`, CUDA_VISIBLE_DEVICES per rank): a rank that sees exactly one GPU
-    uses it, whatever its local rank.
-    """
+    """A DDP rank's device: cuda:<local rank>, else the CPU; one line for what cannot work. ranks_here: the ranks this
+    machine runs where the launcher shows them all the same GPUs (torchrun, mp.spawn); without it (srun, by hand) a
+    rank that sees exactly one GPU was shown its own (--gpus-per-task 1, per-rank CUDA_VISIBLE_DEVICES) and uses it."""
     if requested not in (None, "cpu") and torch.device(requested).index is not None:
         raise UsageError(f"--device {requested}: a DDP rank always uses the GPU of its local rank, cuda:<local rank>; "
                          f"choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=2,3) and pass "
@@ -65,76 +58,6 @@ def rank_device(requested, local_rank, ranks_here=None):
     return torch.device("cuda", local_rank)
 
 
-def default_nprocs(requested=None):
-    """ddp_mp.py's default: one process per visible GPU; 2 on the CPU, so the chapter still shows two ranks."""
-    if requested != "cpu" and torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return 2
-
-
-def check_torchrun_worker(script):
-    """One line unless this process is a torchrun worker whose restarts (--max-restarts) each get a fresh store.
-
-    torchrun --max-restarts starts a new group after a failure. Sharing torchrun's own key-value store (its
-    default) the new workers would meet among the dead ones' keys and could dial their addresses (on torch 2.14
-    the store keeps every attempt's keys), and on several nodes they need not agree which attempt they are in.
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes rank 0 open a fresh store for every attempt instead.
-    """
-    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
-        raise UsageError(f"RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
-                         f"`torchrun --standalone --nproc-per-node 2 {script}`")
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        raise UsageError("torchrun --max-restarts needs a fresh store per restart: run it as "
-                         "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...` with a c10d rendezvous (--standalone, "
-                         "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
-
-
-def free_port(host="127.0.0.1"):
-    """A port the OS says is free right now (instead of a hard-coded 12355 that a second job would collide on)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_global_batch(batch_size, world_size, accum_steps=1):
-    """--batch-size is the global batch, so it must split evenly over the ranks and their --accum-steps micro-batches."""
-    parts = world_size * accum_steps
-    if batch_size % parts:
-        split = f"{world_size} ranks" + (f" x {accum_steps} micro-batches" if accum_steps > 1 else "")
-        raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over {split}; "
-                         f"use a multiple of {parts}, e.g. {batch_size // parts * parts or parts}")
-
-
-def check_rendezvous(init_method, rank, timeout):
-    """Before init_process_group(init_method=tcp:// or file://): a stale file or a missing rank 0 fails at --timeout.
-
-    file://: a file older than --timeout was left by a crashed run (a clean run's ranks delete it); its keys
-    would mix two jobs' rendezvous. tcp://, ranks > 0: wait here until rank 0's port answers. torch's own store client
-    retries once more after its deadline with a grown back-off (torch 2.14.1: --timeout 10 ended after 16-21 s,
-    --timeout 20 after 43 s; the retry loop came with pytorch/pytorch#129261), so a missing rank 0 is reported here.
-    """
-    url = urlparse(init_method)
-    if url.scheme == "file":
-        path = Path(url.path)
-        if not path.parent.is_dir():
-            raise FatalError(f"rendezvous folder {path.parent} does not exist; create it on a filesystem every "
-                             f"machine shares")
-        if path.exists() and time.time() - path.stat().st_mtime > timeout:
-            raise FatalError(f"rendezvous file {path} is left over from an earlier run "
-                             f"({time.time() - path.stat().st_mtime:.0f}s old); delete it or pass a new file:// name")
-    elif rank > 0:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                socket.create_connection((url.hostname, url.port), timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise FatalError(f"no rendezvous at {url.hostname}:{url.port} within {timeout:g}s: "
-                                     f"{NO_RANK0}") from None
-                time.sleep(0.2)
-
-
 def cpu_threads(ranks_here):
     """Threads for one CPU rank: the cores SLURM gave its task, or this machine's, split over the ranks sharing them."""
     per_task = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
@@ -145,18 +68,14 @@ def cpu_threads(ranks_here):
 
 # Flags every rank must share: with others, the ranks take different numbers of steps or collectives, and gloo
 # aborts the process (SIGABRT) on the first mismatched one. --data-dir, --output and --device may differ.
-SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_samples", "test_samples", "log_every", "save_every",
-                      "accum_steps", "precision", "compile")
+SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_samples", "test_samples", "log_every",
+                      "save_every", "accum_steps", "precision", "compile")
 
 
-def meet_the_group(cfg, ctx):
-    """Every rank, once the group is up: one all_gather of (host name, flags), then this rank's one line; returns
-    the CPU threads this rank should use (the chapter sets them).
-
-    Ranks started with different flags are refused in one line. On the CPU the ranks of one machine split its cores
-    (more threads than cores makes every rank slower), unless OMP_NUM_THREADS says otherwise; on a GPU, and with
-    OMP_NUM_THREADS, the threads stay as they are.
-    """
+def all_gather_flags(cfg, ctx):
+    """Once the group is up, an all_gather of every rank's host and flags: ranks started with different flags stop in
+    one line; each prints its own line; returns its CPU threads (on the CPU: its share of its machine's cores, unless
+    OMP_NUM_THREADS is set; more threads than cores makes every rank slower)."""
     flags = {name: getattr(cfg, name) for name in SAME_ON_EVERY_RANK} | {"snapshot": cfg.snapshot is not None}
     host = socket.gethostname()
     everyone = [None] * ctx.world_size
@@ -194,8 +113,8 @@ def all_reduce_sum(values, ctx, group=None):
 
 
 def print_parameter_bytes(model, ctx):
-    """One line from rank 0 (every rank takes part): the whole model's parameter bytes, and the bytes of the slices
-    each rank holds (FSDP2 and tensor parallel: a parameter is a DTensor, of which a rank holds its slice, to_local();
+    """One line from rank 0 after an all_gather (every rank takes part): the whole model's parameter bytes, and the
+    bytes of the slices each rank holds (FSDP2 and tensor parallel: a parameter is a DTensor, of which a rank holds its slice, to_local();
     a plain parameter is held whole; pipeline stages: each rank holds whole layers, no two ranks the same ones)."""
     mine = sum(getattr(p, "to_local", lambda: p)().numel() * p.element_size() for p in model.parameters())
     full = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel() is the whole
@@ -206,32 +125,3 @@ def print_parameter_bytes(model, ctx):
     per_rank = (", ".join(f"rank {r} {b:,}" for r, b in enumerate(everyone)) if ctx.world_size <= 8
                 else f"{min(everyone):,} to {max(everyone):,} per rank")
     print0(ctx, f"Parameter bytes: {full:,} in the whole model; held: {per_rank}")
-
-
-def hide_2d_notices():
-    """Two notices torch 2.14 prints on every rank of a 2-D (FSDP2 x tensor parallel) run, hidden: neither asks
-    anything of this model.
-
-    FSDP2 warns that a tp Linear "returned a view tensor", which an in-place op (x += y) would break: no op after
-    these Linears is in place (ReLU(inplace=False)). The save's full state_dict gathers each 2-D weight in two
-    all-gathers, which DTensor calls "suboptimal": once per run, a latency of milliseconds.
-    """
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-
-def gather_stage_weights(model, ctx):
-    """Pipeline stages: every rank sends rank 0 the weights it holds (on the CPU); rank 0 gets them all in one plain
-    state_dict under chapter 1's names and order, the others None. Every rank must call it."""
-    everyone = [None] * ctx.world_size
-    mine = {name: t.detach().cpu() for name, t in model.state_dict().items()}
-    dist.gather_object(mine, everyone if ctx.is_main else None, dst=0)
-    if not ctx.is_main:
-        return None
-    held = {name: t for part in everyone for name, t in part.items()}
-    from common.model import NeuralNetwork
-
-    return {name: held[name] for name in NeuralNetwork().state_dict()}  # chapter 1's order; a missing layer: KeyError

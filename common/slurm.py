@@ -1,6 +1,7 @@
 """The SLURM side of chapter 6: is this an srun task, and where do its ranks meet (the job's first node)?"""
 import os
 import socket
+import subprocess
 
 from common.errors import FatalError, UsageError
 
@@ -19,7 +20,6 @@ def check_srun_task():
                          f"(as scripts/job.sh does), not plain python inside the job")
     try:
         rank, world_size, _ = (int(env[name]) for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
-        expand_hostlist(env["SLURM_JOB_NODELIST"])
     except ValueError as e:
         raise UsageError(f"cannot read the SLURM environment ({e}); is this an srun task of a SLURM job?") from None
     if not 0 <= rank < world_size:
@@ -32,7 +32,7 @@ def slurm_master():
     Two jobs that share a node get different ports. MASTER_ADDR / MASTER_PORT override both.
     """
     nodes = os.environ["SLURM_JOB_NODELIST"]
-    addr = os.environ.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
+    addr = os.environ.get("MASTER_ADDR") or first_node(nodes)
     port = int(os.environ.get("MASTER_PORT") or 20000 + int(os.environ["SLURM_JOB_ID"]) % 10000)
     try:
         socket.getaddrinfo(addr, port)
@@ -42,33 +42,16 @@ def slurm_master():
     return addr, port
 
 
-def expand_hostlist(hostlist):
-    """SLURM's compressed host list as names: "gpu[01-03,07],cpu5" -> gpu01, gpu02, gpu03, gpu07, cpu5."""
-    hosts, item, depth = [], "", 0
-    for char in hostlist + ",":  # split on the commas that are outside brackets
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if not 0 <= depth <= 1:
-            raise ValueError(f"unbalanced brackets in {hostlist!r}")
-        if char == "," and depth == 0:
-            hosts += _expand_host(item) if item else []
-            item = ""
-        else:
-            item += char
-    if depth or not hosts:
-        raise ValueError(f"unbalanced brackets in {hostlist!r}" if depth else f"no host in {hostlist!r}")
-    return hosts
-
-
-def _expand_host(pattern):
-    """One host pattern with any number of [ranges] groups, e.g. rack[1-2]-n[01,03] (zero padding kept)."""
-    if "[" not in pattern:
-        return [pattern]
-    head, rest = pattern.split("[", 1)
-    ranges, tail = rest.split("]", 1)
-    names = []
-    for part in ranges.split(","):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
-            raise ValueError(f"bad range {part!r} in {pattern!r}")
-        names += [f"{head}{n:0{len(low)}d}" for n in range(int(low), int(high or low) + 1)]
-    return [name + suffix for name in names for suffix in _expand_host(tail)]
+def first_node(nodes):
+    """The first host of a SLURM host list ("gpu[01-03,07]" -> "gpu01"), as SLURM expands it: `scontrol show
+    hostnames`, which every SLURM node has (the same line most batch scripts use to find MASTER_ADDR)."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise FatalError(f"cannot run `scontrol show hostnames` to find the job's first node ({e}); run inside a "
+                         f"SLURM job, or set MASTER_ADDR to rank 0's address") from None
+    if proc.returncode or not proc.stdout.split():
+        why = (proc.stderr.strip().splitlines() or ["no host"])[0]
+        raise FatalError(f"`scontrol show hostnames {nodes}` failed ({why}); is SLURM_JOB_NODELIST this job's? "
+                         f"Else set MASTER_ADDR to rank 0's address")
+    return proc.stdout.split()[0]

@@ -59,10 +59,11 @@ from torch import nn  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from common import data  # noqa: E402
+from common import data, idx  # noqa: E402
 from common.config import check_device  # noqa: E402
 from common.errors import FatalError, run_main  # noqa: E402
-from common.ranks import cpu_threads, free_port  # noqa: E402
+from common.launch import free_port  # noqa: E402
+from common.ranks import cpu_threads  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
 
 BATCH_SIZE, LR, SEED = 64, 1e-3, 0  # the quickstart's settings, which single_gpu.py also defaults to
@@ -274,8 +275,8 @@ class Workspace:
             raw = root / "FashionMNIST" / "raw"
             raw.mkdir(parents=True)
             # The loader's own search, so both pipelines read the very same files (raw or .gz, either layout).
-            for split in data.FILES:
-                for src in data._find_split_files(self.data_dir, split):
+            for split in idx.FILES:
+                for src in idx.find_split_files(self.data_dir, split):
                     dst = raw / src.name.removesuffix(".gz")
                     # torchvision reads only uncompressed files when it does not download.
                     try:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from common import data  # noqa: E402
+from common import idx  # noqa: E402
 from common.errors import UsageError, run_main  # noqa: E402
 
 
@@ -37,12 +37,12 @@ def c_compiler():
 
 def find_data(data_dir):
     """The folder holding the four FashionMNIST files (raw or .gz, flat or torchvision's layout), or one line why not."""
-    places = [Path(data_dir)] if data_dir else [REPO / "data", Path(data.SYSTEM_DIR)]
+    places = [Path(data_dir)] if data_dir else [REPO / "data", Path(idx.SYSTEM_DIR)]
     for folder in places:
-        if data._find_split_files(folder, "train") and data._find_split_files(folder, "test"):
+        if idx.find_split_files(folder, "train") and idx.find_split_files(folder, "test"):
             return folder.resolve()
     raise UsageError(f"FashionMNIST not found in {', '.join(map(str, places))}: copy its four .gz files (Debian's "
-                     f"dataset-fashion-mnist has them in {data.SYSTEM_DIR}) to {REPO / 'data'}, or pass --data-dir DIR")
+                     f"dataset-fashion-mnist has them in {idx.SYSTEM_DIR}) to {REPO / 'data'}, or pass --data-dir DIR")
 
 
 def main():

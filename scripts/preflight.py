@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/, when
 
 from common.config import parse_config  # noqa: E402
 from common.errors import FatalError, explain, name_rank_in_errors, one_line_errors, run_main  # noqa: E402
-from common.ranks import DistContext, check_rendezvous, default_nprocs, free_port, rank_device  # noqa: E402
+from common.launch import check_rendezvous, default_nprocs, free_port  # noqa: E402
+from common.ranks import DistContext, rank_device  # noqa: E402
 
 # Buffer sizes swept as nccl-tests sweeps them (x4 a step): from latency-bound to bandwidth-bound. On GPUs up to 256
 # MiB, where a fast link needs that much to reach its bandwidth; on the CPU (gloo) 16 MiB already does.

@@ -7,6 +7,7 @@ reduce_scatter_single FSDP2 calls is counted on its way through. Rank 0 prints o
 optimizer steps, the micro-batches, and the counts.
 """
 import json
+import math
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import Config  # noqa: E402
 from common.data import TensorImages  # noqa: E402
-from common.engine import steps_per_epoch, train_one_epoch  # noqa: E402
+from common.engine import train_one_epoch  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.metrics import MetricsLog  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
@@ -76,10 +77,12 @@ def main():
                 counts.clear()
                 model = wrap(counts)
                 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-                train_one_epoch(model, loader, optimizer, None, 0, cfg, ctx, MetricsLog(None, ctx))
+                held_back = dict(no_sync=model.no_sync) if wrap is ddp else dict(
+                    gradient_sync=model.set_requires_gradient_sync)  # as the chapters pass them (ddp_launch.py, fsdp.py)
+                train_one_epoch(model, loader, optimizer, None, 0, cfg, ctx, MetricsLog(None, ctx), **held_back)
                 if ctx.is_main:
                     print(json.dumps(dict(wrap=wrap.__name__, accum_steps=k, micro_batches=len(loader),
-                                          steps=steps_per_epoch(loader, cfg), collectives=len(counts),
+                                          steps=math.ceil(len(loader) / cfg.accum_steps), collectives=len(counts),
                                           backward_ends=sum(counts))), flush=True)
     finally:
         dist.destroy_process_group()

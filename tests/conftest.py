@@ -15,7 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import data  # noqa: E402
+from common import idx  # noqa: E402
 from common.metrics import read_metrics  # noqa: E402
 
 SPLIT_SIZES = {"train": 256, "test": 96}
@@ -41,7 +41,7 @@ def make_fake_fashion_mnist(folder, layout="torchvision", gz=True, seed=0):
     for split, n in SPLIT_SIZES.items():
         images = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g)
         labels = torch.randint(0, 10, (n,), dtype=torch.uint8, generator=g)
-        img_name, lbl_name = data.FILES[split]
+        img_name, lbl_name = idx.FILES[split]
         suffix = ".gz" if gz else ""
         write_idx(base / (img_name + suffix), images)
         write_idx(base / (lbl_name + suffix), labels)
@@ -58,8 +58,8 @@ def fake_data(tmp_path):
 
 
 def _real_data_dir():
-    for folder in (REPO / "data", Path(data.SYSTEM_DIR)):
-        if data._find_split_files(folder, "train") and data._find_split_files(folder, "test"):
+    for folder in (REPO / "data", Path(idx.SYSTEM_DIR)):
+        if idx.find_split_files(folder, "train") and idx.find_split_files(folder, "test"):
             return folder
     return None
 
@@ -110,12 +110,17 @@ QUICK = [
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: in `make test` (conftest.QUICK)")
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker (`make test-all`)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests QUICK names; every entry must name a test that exists."""
+    """Mark the tests QUICK names (every entry must name a test that exists), and group the tests for `make test-all`'s
+    two workers (pytest -n 2 --dist loadgroup): a module's tests together, so its module-wide runs are made once, and
+    every test of a SLURM cluster in one group, so one local cluster runs at a time."""
     unused = set(QUICK)
     for item in items:
+        group = "slurm" if "slurm" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
         for entry in QUICK:
             if item.nodeid.startswith(entry):
                 item.add_marker(pytest.mark.quick)
@@ -184,6 +189,23 @@ def run_forked(cases, timeout=120):
     return results
 
 
+def _descendants(pid):
+    """The pids of every process below pid (children, their children, ...), from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
 class Procs:
     """Processes started in their own sessions, so a test can kill every one of them and their children."""
 
@@ -208,6 +230,13 @@ class Procs:
         return p.returncode, out, err
 
     def kill(self, p):
+        """p's process group, and every process started under it: torchrun starts each worker in a session of its
+        own, so killing torchrun's group alone would leave its workers running."""
+        for pid in _descendants(p.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -236,6 +265,15 @@ def procs_module():
     ps.close()
 
 
+def run_forked_cases(request, test, cases):
+    """For a module-scoped fixture: run_forked for the cases (of a list or a dict) that this session runs test with
+    (parametrized by "case"), all in one go: {case: result}. A planted bug that lets a flag through then trains
+    only in the cases picked, not in every case of the list."""
+    wanted = [item.callspec.params["case"] for item in request.session.items if item.path == request.node.path
+              and getattr(item, "originalname", None) == test and hasattr(item, "callspec")]
+    return dict(zip(wanted, run_forked([cases[case] for case in wanted])))
+
+
 class Runs(dict):
     """{key: run}, each run made by make(key) when a test first asks for it: a test that needs one world size does
     not wait for the others (`make test` runs one of each chapter's)."""
@@ -253,6 +291,26 @@ def torchrun_script(script, world, args, procs, timeout=240):
     """script under torchrun --standalone on `world` ranks on this machine: (returncode, stdout, stderr)."""
     p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), script, *map(str, args)])
     return procs.wait(p, timeout=timeout)
+
+
+# scontrol's stand-in where no SLURM is configured (tests/test_slurm.py runs the real one): `scontrol show hostnames
+# LIST` as SLURM answers for a plain comma list and for "localhost,gpu[02-03]", SLURM's own error for anything else.
+FAKE_SCONTROL = """#!/bin/sh
+[ "$1 $2" = "show hostnames" ] || exit 2
+case "$3" in
+  "localhost,gpu[02-03]") printf 'localhost\\ngpu02\\ngpu03\\n' ;;
+  *[[]*|"") echo "scontrol: error: Unable to create hostlist from $3" >&2; exit 1 ;;
+  *) echo "$3" | tr ',' '\\n' ;;
+esac
+"""
+
+
+def fake_scontrol(folder):
+    """A PATH with scontrol's stand-in first (written into folder)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "scontrol").write_text(FAKE_SCONTROL)
+    (folder / "scontrol").chmod(0o755)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
 
 
 def one_error_line(err, *needles):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from common.config import Config, parse_config
+from conftest import run_script
 
 
 def test_defaults_are_the_quickstarts():
@@ -36,15 +37,17 @@ def test_bad_flag_is_one_line_and_exit_2(argv, capsys):
     assert err.count("\n") == 1 and "error:" in err
 
 
+NO_CPU_STREAM_EVENTS = "import torch\ndel torch.cpu.Stream.record_event\n"  # as on torch 2.6
+
+
 @pytest.mark.parametrize("world_size", ["1", "2"])
-def test_fsdp_on_a_torch_without_cpu_stream_events_is_one_line(world_size, monkeypatch):
+def test_fsdp_on_a_torch_without_cpu_stream_events_is_one_line(world_size, tmp_path):
     """FSDP2 on the CPU times its gathers with torch.cpu.Stream.record_event (torch 2.6 has none): fsdp.py refuses at
     any world size, one rank included (it shards over that one rank too); tensor_parallel.py only where it uses FSDP2
-    (--dp above 1)."""
-    from common.config import UsageError, check_fsdp_flags, check_tensor_parallel_flags
-
-    monkeypatch.setenv("WORLD_SIZE", world_size)
-    monkeypatch.delattr(torch.cpu.Stream, "record_event", raising=False)
-    with pytest.raises(UsageError, match=r"fsdp\.py on the CPU needs a torch whose FSDP2 runs on CPU streams"):
-        check_fsdp_flags(parse_config(["--device", "cpu"]))
-    check_tensor_parallel_flags(parse_config(["--device", "cpu"], chapter_flags=("dp",)))  # tp alone: no FSDP2
+    (--dp above 1), so with --dp 1 it goes on to torchrun's check."""
+    (tmp_path / "sitecustomize.py").write_text(NO_CPU_STREAM_EVENTS)
+    env = dict(PYTHONPATH=str(tmp_path), WORLD_SIZE=world_size)
+    fsdp, tp = (run_script(script, "--device", "cpu", env=env, timeout=120) for script in ("fsdp.py",
+                                                                                           "tensor_parallel.py"))
+    assert fsdp.returncode == 2 and "fsdp.py on the CPU needs a torch whose FSDP2 runs on CPU streams" in fsdp.stderr
+    assert tp.returncode == 2 and "start this script with torchrun" in tp.stderr, tp.stderr

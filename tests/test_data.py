@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import data
+from common import data, idx
 from common.errors import FatalError
 from conftest import BASE_ENV, SPLIT_SIZES, load_state, make_fake_fashion_mnist, max_abs_diff, write_idx
 
@@ -15,7 +15,7 @@ from conftest import BASE_ENV, SPLIT_SIZES, load_state, make_fake_fashion_mnist,
 @pytest.mark.parametrize("name", ["x-idx3-ubyte", "x-idx3-ubyte.gz"])
 def test_read_idx_round_trip(tmp_path, name):
     t = torch.randint(0, 256, (5, 28, 28), dtype=torch.uint8)
-    assert torch.equal(data.read_idx(write_idx(tmp_path / name, t)), t)
+    assert torch.equal(idx.read_idx(write_idx(tmp_path / name, t)), t)
 
 
 @pytest.mark.parametrize("layout,gz", [("torchvision", True), ("torchvision", False), ("flat", True), ("flat", False)])
@@ -77,21 +77,21 @@ def test_truncated_idx_is_refused(tmp_path):
     path = write_idx(tmp_path / "t-idx3-ubyte", torch.zeros(4, 28, 28, dtype=torch.uint8))
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(FatalError, match="truncated"):
-        data.read_idx(path)
+        idx.read_idx(path)
 
 
 def test_truncated_gzip_is_refused(tmp_path):
     path = write_idx(tmp_path / "t-idx3-ubyte.gz", torch.zeros(4, 28, 28, dtype=torch.uint8))
     path.write_bytes(path.read_bytes()[:-20])
     with pytest.raises(FatalError, match="cannot read"):
-        data.read_idx(path)
+        idx.read_idx(path)
 
 
 def test_foreign_file_is_refused(tmp_path):
     path = tmp_path / "t-idx3-ubyte.gz"
     path.write_bytes(gzip.compress(b"<html>not found</html>"))
     with pytest.raises(FatalError, match="not a uint8 IDX file"):
-        data.read_idx(path)
+        idx.read_idx(path)
 
 
 def test_batches_match_torchvision_totensor(fake_data):
@@ -99,7 +99,7 @@ def test_batches_match_torchvision_totensor(fake_data):
     from PIL import Image
 
     train = data.load_split(fake_data, "train", torch.device("cpu"))
-    raw = data.read_idx(data._find_split_files(fake_data, "train")[0])  # the uint8 images as the file holds them
+    raw = idx.read_idx(idx.find_split_files(fake_data, "train")[0])  # the uint8 images as the file holds them
     sampler = DistributedSampler(train, num_replicas=1, rank=0, seed=1)
     loader = DataLoader(train, batch_size=100, sampler=sampler)  # the chapters' line
     batches = list(loader)

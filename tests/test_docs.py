@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from common.model import NeuralNetwork
-from common.ranks import free_port
-from conftest import BASE_ENV, REPO, TORCHRUN, make_fake_fashion_mnist, no_abort_at_exit, run_script
+from common.launch import free_port
+from conftest import BASE_ENV, REPO, TORCHRUN, fake_scontrol, make_fake_fashion_mnist, no_abort_at_exit, run_script
 from test_ddp import stale_rendezvous_file
 from test_faults import SLURM_ENV  # rank 0 of a 2-task job on localhost
 
@@ -36,8 +36,6 @@ NOT_RUN_HERE = [
     (r"10\.0\.0\.1|/shared/", "needs two machines: tests/test_multinode.py runs these on two network namespaces"),
     (r"(^|\s)(sbatch|sinfo|squeue|scontrol)(\s|$)|^cat fmnist-", "needs a SLURM cluster: tests/test_slurm.py submits "
                                                            "job.sh and job_torchrun.sh with the CPU overrides"),
-    (r"scripts/strategy_table\.py", "runs every chapter twice (minutes): tests/test_strategy_table.py runs 5 of its rows "
-                                    "and checks the README's table against them"),
     (r"scripts/scaling\.py", "needs root and network namespaces, and the sweep takes minutes: tests/test_scaling.py runs "
                               "its DDP and FSDP2 rows at 100 Mbit/s and checks their numbers"),
 ]
@@ -322,7 +320,7 @@ MAKE_IT_PRINT = {
     "this is not a SLURM job": lambda tmp, stack: ("ddp_slurm.py", [], dict(SLURM_JOB_ID="")),
     "SLURM_STEP_ID not set": lambda tmp, stack: ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_STEP_ID="")),
     "does not resolve here": lambda tmp, stack: (
-        "ddp_slurm.py", [], dict(SLURM_ENV, SLURM_JOB_NODELIST="gpu01")),
+        "ddp_slurm.py", [], dict(SLURM_ENV, SLURM_JOB_NODELIST="gpu01", PATH=fake_scontrol(tmp / "bin"))),
 }
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from common.metrics import read_metrics
-from common.ranks import free_port
-from conftest import (BASE_ENV, TORCHRUN, load_state, max_abs_diff, no_abort_at_exit, one_error_line, run_forked,
+from common.launch import free_port
+from conftest import (BASE_ENV, TORCHRUN, load_state, max_abs_diff, no_abort_at_exit, one_error_line, run_forked_cases,
                       run_script)
 
 # torchrun --max-restarts as the docs show it: every restart meets in a fresh store (see ddp_launch.py).
@@ -391,9 +391,10 @@ BAD = [(s, flag, NEEDS.get(s, ([], {}))[1], None) for s in SCRIPTS for flag in C
 
 
 @pytest.fixture(scope="module")
-def bad_flag_runs():
-    """Every BAD case run as `python SCRIPT ARGS` would be, each in its own (forked) process."""
-    return run_forked([(script, [*NEEDS.get(script, ([], {}))[0], *flag], env) for script, flag, env, _ in BAD])
+def bad_flag_runs(request):
+    """The BAD cases this session runs, as `python SCRIPT ARGS` would run them, each in its own (forked) process."""
+    cases = [(script, [*NEEDS.get(script, ([], {}))[0], *flag], env) for script, flag, env, _ in BAD]
+    return run_forked_cases(request, "test_bad_flag_exits_2_with_one_line", cases)
 
 
 @pytest.mark.parametrize("case", range(len(BAD)), ids=[f"{s}:{' '.join(f) or 'env'}" for s, f, _, _ in BAD])

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from common.metrics import read_metrics
-from conftest import (REPO, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked, run_script,
+from conftest import (REPO, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, run_script,
                       slice_args, torchrun_script)
 from test_faults import TORCHRUN_ENV
 
@@ -105,7 +105,7 @@ def _truncated(snap):
 @pytest.mark.parametrize("world,damage,extra,needle", [
     (2, _truncated, [], "cannot be read (RuntimeError: PytorchStreamReader failed reading zip archive"),
     (2, lambda snap: (snap / "epoch-1" / ".metadata").unlink(), [], "cannot be read (AssertionError: metadata is None)"),
-    (1, lambda snap: (snap / "epoch-1" / "snapshot.pt").write_bytes(b"half a zip"), [], "in snapshot.pt)"),
+    (1, lambda snap: (snap / "epoch-1" / "snapshot.pt").write_bytes(b"half a zip"), [], "snapshot.pt cannot be read ("),
     (1, lambda snap: None, ["--lr", "0.01"], "was made with --lr 0.001, this run has --lr 0.01"),
     (1, lambda snap: shutil.rmtree(snap) or snap.write_bytes(b"x"), [], "is a file; sharded snapshots are folders"),
 ], ids=["truncated-shard", "no-metadata", "damaged-snapshot.pt", "other-flags", "a-file"])
@@ -158,8 +158,9 @@ BAD_FLAGS = [
 
 
 @pytest.fixture(scope="module")
-def bad_flag_runs():
-    return run_forked([("fsdp.py", flag, env) for flag, env, _ in BAD_FLAGS])
+def bad_flag_runs(request):
+    cases = [("fsdp.py", flag, env) for flag, env, _ in BAD_FLAGS]
+    return run_forked_cases(request, "test_bad_flag_exits_2_with_one_line", cases)
 
 
 @pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=["epochs-0", "device-tpu", "save-every-alone", "batch-63",

@@ -17,8 +17,8 @@ import textwrap
 import pytest
 import torch
 
-from common.config import pipelining_missing
-from common.ranks import free_port
+from pipeline import pipelining_missing
+from common.launch import free_port
 from conftest import BASE_ENV, REPO, TORCHRUN, load_state, max_abs_diff, one_error_line, run_script
 from test_faults import SLURM_ENV
 
@@ -66,7 +66,7 @@ def chapter_command(script, out, data, *extra):
         return [sys.executable, script, "--init-method", f"tcp://127.0.0.1:{port}", "--rank", "0", "--world-size", "1",
                 *args], {}
     if script == "ddp_slurm.py":  # the variables srun gives a one-task job
-        return [sys.executable, script, *args], dict(SLURM_ENV, SLURM_NTASKS="1", MASTER_PORT=port)
+        return [sys.executable, script, *args], dict(SLURM_ENV, SLURM_NTASKS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     return [sys.executable, script, *args], {}
 
 
@@ -189,7 +189,8 @@ def test_torchrun_with_more_workers_than_gpus_is_refused():
 
 
 @pytest.mark.parametrize("script,argv,env", [
-    ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_NTASKS="1", SLURM_LOCALID="3")),  # srun --gpus-per-task 1
+    ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_NTASKS="1", SLURM_LOCALID="3", MASTER_ADDR="127.0.0.1")),  # srun
+     # --gpus-per-task 1
     ("ddp_tcp_manual.py", ["--rank", "0", "--world-size", "1", "--local-rank", "1"], {}),  # CUDA_VISIBLE_DEVICES=1
 ], ids=["srun-gpus-per-task", "tcp-own-gpu"])
 def test_a_rank_shown_only_its_own_gpu_trains_on_it(script, argv, env, real_data, cuda_reference, tmp_path):
@@ -392,7 +393,8 @@ DATAPARALLEL_DTYPE = textwrap.dedent("""
     import torch
     from torch import nn
     from common.config import Config
-    from common.engine import DataParallel, autocast
+    from common.engine import autocast
+    from dataparallel import DataParallel
     from common.model import NeuralNetwork
     x = torch.rand(8, 1, 28, 28, device="cuda:0")
     for wrap in (nn.DataParallel, DataParallel):

@@ -102,7 +102,8 @@ def test_dataparallel_replicas_compute_in_the_dtype_precision_names(monkeypatch)
 
     from torch import nn
 
-    from common.engine import DataParallel, autocast
+    from common.engine import autocast
+    from dataparallel import DataParallel
 
     import torch.nn.parallel.parallel_apply  # noqa: F401 (the module, for its source)
     if "torch.accelerator" not in inspect.getsource(sys.modules["torch.nn.parallel.parallel_apply"]):

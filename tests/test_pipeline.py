@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from common.config import pipelining_missing
+from pipeline import pipelining_missing
 from common.metrics import read_metrics
-from conftest import (REPO, SLICE, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked, run_script,
+from conftest import (REPO, SLICE, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, run_script,
                       slice_args, torchrun_script)
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV
@@ -67,6 +67,24 @@ def test_the_pipeline_trains_the_same_model(world, schedule, pipeline_runs, refe
     assert test_losses(log) == pytest.approx(test_losses(ref_log), abs=2e-6)
     assert f"Pipeline: {world} stage(s), 4 micro-batches of 12 images per step, schedule {schedule}" in log
     assert log.count("Done!") == 1 and sorted(re.findall(r"\[rank (\d+)\] host=", log)) == [str(r) for r in range(world)]
+
+
+# What each stage did in one step, in order (F2: micro-batch 2's forward, B2: its backward), 4 micro-batches: GPipe
+# runs every forward, then every backward; 1F1B starts backwards as soon as the last stage has a loss, so a stage
+# keeps at most (stages - its index) micro-batches' activations waiting instead of 4.
+TIMETABLES = {
+    (2, "gpipe"): ["F0 F1 F2 F3 B0 B1 B2 B3", "F0 F1 F2 F3 B0 B1 B2 B3"],
+    (2, "1f1b"): ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
+    (3, "gpipe"): ["F0 F1 F2 F3 B0 B1 B2 B3"] * 3,
+    (3, "1f1b"): ["F0 F1 F2 B0 F3 B1 B2 B3", "F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"],
+}
+
+
+@pytest.mark.parametrize("world,schedule", CASES, ids=[f"{w}stages-{s}" for w, s in CASES])
+def test_the_timetable_shows_the_schedule(world, schedule, pipeline_runs):
+    _, log, _ = pipeline_runs[world, schedule]
+    shown = re.findall(r"^  stage \d: (.*)$", log, re.M)
+    assert shown == TIMETABLES[world, schedule], log
 
 
 def test_each_stage_holds_its_layers(pipeline_runs):
@@ -169,8 +187,9 @@ BAD_FLAGS = [
 
 
 @pytest.fixture(scope="module")
-def bad_flag_runs():
-    return run_forked([("pipeline.py", flag, env) for flag, env, _ in BAD_FLAGS])
+def bad_flag_runs(request):
+    cases = [("pipeline.py", flag, env) for flag, env, _ in BAD_FLAGS]
+    return run_forked_cases(request, "test_bad_flag_exits_2_with_one_line", cases)
 
 
 @pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=["microbatches-5", "fp16", "accum", "compile", "schedule-zb",
@@ -188,6 +207,14 @@ def test_the_chapter_shows_every_pipeline_line():
     train = source.split("def train(cfg, ctx):")[1]
     calls = ["DistributedSampler(train_set, num_replicas=1, rank=0", "nn.Identity()", "PipelineStage(model, ctx.rank",
              "SCHEDULES[cfg.schedule](stage, n_microbatches=cfg.microbatches", "torch.optim.SGD(", "set_epoch(",
-             "train_pipeline_epoch(schedule", "gather_stage_weights(", "if ctx.is_main:"]
+             "train_stage_epoch(schedule", "gather_stage_weights(", "if ctx.is_main:"]
     where = [train.find(call) for call in calls]
     assert -1 not in where and where == sorted(where), list(zip(calls, where))
+
+
+def test_bf16_runs_through_the_stages(real_data, reference, tmp_path, procs):
+    """--precision bf16, which docs/pipeline.md says chapter 10 takes: 2 stages learn as much as chapter 1 in fp32."""
+    code, out, err = torchrun(2, [*slice_args(real_data, tmp_path), "--precision", "bf16", "--timeout", "60"], procs)
+    assert code == 0, err
+    fp32, bf16 = (float(accuracy_lines(log)[-1].split()[1].rstrip("%")) for log in (reference[1], out))
+    assert abs(fp32 - bf16) <= 1.0, (fp32, bf16)

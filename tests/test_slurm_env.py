@@ -1,42 +1,23 @@
-"""Chapter 6 without a cluster: SLURM host lists, the SLURM environment, and the errors outside SLURM."""
+"""Chapter 6 without a cluster: the SLURM environment, the job's first node, and the errors outside SLURM."""
 import pytest
 
 from common.errors import FatalError, UsageError
 from common.ranks import cpu_threads
-from common.slurm import check_srun_task, expand_hostlist, slurm_master
-from conftest import run_script
-
-
-@pytest.mark.parametrize("hostlist,hosts", [
-    ("node1", ["node1"]),
-    ("gpu[01-03,07],cpu5", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]),
-    ("n[9-11]", ["n9", "n10", "n11"]),  # no padding: the width of the low bound
-    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
-    ("rack[1-2]-gpu[1,3]", ["rack1-gpu1", "rack1-gpu3", "rack2-gpu1", "rack2-gpu3"]),
-    ("a[1-2]x,b", ["a1x", "a2x", "b"]),
-    ("localhost", ["localhost"]),
-])
-def test_expand_hostlist(hostlist, hosts):
-    assert expand_hostlist(hostlist) == hosts
-
-
-@pytest.mark.parametrize("bad", ["gpu[01-03", "gpu01-03]", "gpu[3-1]", "gpu[a-b]", "n[[1]]", ""])
-def test_expand_hostlist_rejects_garbage(bad):
-    with pytest.raises(ValueError):
-        expand_hostlist(bad)
-
+from common.slurm import check_srun_task, slurm_master
+from conftest import fake_scontrol, run_script
 
 TASK = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1",
             SLURM_JOB_NODELIST="localhost,gpu[02-03]")
 
 
 @pytest.fixture
-def task_env(monkeypatch):
-    """An srun task's environment: rank 3 of 4, second task on its node."""
+def task_env(monkeypatch, tmp_path):
+    """An srun task's environment: rank 3 of 4, second task on its node; scontrol's stand-in first on PATH."""
     for name in ("MASTER_ADDR", "MASTER_PORT", "SLURM_CPUS_PER_TASK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in TASK.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PATH", fake_scontrol(tmp_path / "bin"))
     return monkeypatch
 
 
@@ -57,7 +38,6 @@ def test_master_addr_and_port_override(task_env):
     (dict(SLURM_STEP_ID=None), UsageError, "srun python ddp_slurm.py"),
     (dict(SLURM_NTASKS="two"), UsageError, "cannot read the SLURM environment"),
     (dict(SLURM_PROCID="4"), UsageError, "SLURM_PROCID=4 is not below SLURM_NTASKS=4"),
-    (dict(SLURM_JOB_NODELIST="gpu[01"), UsageError, "cannot read the SLURM environment"),
 ])
 def test_bad_slurm_environments_say_why(task_env, change, error, needle):
     for name, value in change.items():
@@ -67,6 +47,20 @@ def test_bad_slurm_environments_say_why(task_env, change, error, needle):
             task_env.setenv(name, value)
     with pytest.raises(error, match=needle.replace("[", r"\[")):
         check_srun_task()
+
+
+def test_a_host_list_scontrol_cannot_read_is_named(task_env):
+    task_env.setenv("SLURM_JOB_NODELIST", "gpu[01")
+    with pytest.raises(FatalError, match=r"`scontrol show hostnames gpu\[01` failed \(scontrol: error: Unable to create"):
+        slurm_master()
+
+
+def test_without_scontrol_master_addr_is_named(task_env):
+    task_env.setenv("PATH", "/nonexistent")
+    with pytest.raises(FatalError, match="cannot run `scontrol show hostnames`.*set MASTER_ADDR"):
+        slurm_master()
+    task_env.setenv("MASTER_ADDR", "127.0.0.1")
+    assert slurm_master() == ("127.0.0.1", 24242)
 
 
 def test_an_unresolvable_head_node_is_named(task_env):

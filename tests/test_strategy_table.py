@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from common.config import pipelining_missing
+from pipeline import pipelining_missing
 from conftest import BASE_ENV, REPO
 
 pytestmark = pytest.mark.skipif(bool(pipelining_missing()), reason=str(pipelining_missing()))  # it runs pipeline.py

@@ -1,13 +1,17 @@
 """Chapter 9 through torchrun: tensor parallel (and 2-D with FSDP2) trains chapter 1's model; its snapshots reshard."""
+import os
 import re
+import signal
+import time
 
 import pytest
 import torch
 
 from common.metrics import read_metrics
-from conftest import REPO, Runs, assert_same_curves, load_state, max_abs_diff, run_forked, slice_args, torchrun_script
+from conftest import REPO, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, slice_args, torchrun_script
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV
+from test_pipeline import _is_rank, _running
 
 # Measured on torch 2.14.1, 1 thread per rank, SLICE's 40 steps: 3.7e-9 at tp 2, tp 4 and dp 2 x tp 2 (the second
 # Linear's products are summed in tp parts by the all-reduce, chapter 1 sums them in one): the DDP chapters' bound.
@@ -45,9 +49,15 @@ def test_tensor_parallel_trains_the_same_model(world, dp, tp_runs, reference):
     assert max_abs_diff(ref_state, state) <= SAME_MODEL
     assert_same_curves(read_metrics(out), ref_metrics)
     assert re.findall(r"Accuracy: [\d.]+%", log) == re.findall(r"Accuracy: [\d.]+%", ref_log)
-    assert f"Mesh: {dp} data-parallel group(s) (dp) x {world // dp} ranks splitting each layer (tp)" in log
+    # the tp ranks of a row are neighbours (rank 0's group: ranks 0 .. tp - 1), as they are on one machine's fast links
+    assert (f"Mesh: {dp} data-parallel group(s) (dp) x {world // dp} ranks splitting each layer (tp); rank 0 splits its "
+            f"layers with ranks {list(range(world // dp))}") in log
+    # the images per second count each image once: the sums run over one rank per batch (ctx.data_group), not tp
+    # times over every rank of its row
+    for epoch in (r for r in read_metrics(out) if r["kind"] == "epoch"):
+        assert epoch["samples_per_second"] * epoch["train_seconds"] == pytest.approx(960, rel=1e-6), epoch
     assert log.count("Done!") == 1 and sorted(re.findall(r"\[rank (\d+)\] host=", log)) == [str(r) for r in range(world)]
-    # torch 2.14's two notices for every rank of a 2-D run are hidden (common/ranks.py hide_2d_notices)
+    # torch 2.14's two notices for every rank of a 2-D run are hidden (hide_2d_notices, in the chapter)
     assert "returned a view tensor" not in err and "sequential all_gather" not in err and "Traceback" not in err, err
 
 
@@ -104,8 +114,9 @@ BAD_FLAGS = {
 
 
 @pytest.fixture(scope="module")
-def bad_flag_runs():
-    return dict(zip(BAD_FLAGS, run_forked([("tensor_parallel.py", flag, env) for flag, env, _ in BAD_FLAGS.values()])))
+def bad_flag_runs(request):
+    cases = {name: ("tensor_parallel.py", flag, env) for name, (flag, env, _) in BAD_FLAGS.items()}
+    return run_forked_cases(request, "test_bad_flag_exits_2_with_one_line", cases)
 
 
 @pytest.mark.parametrize("case", [
@@ -132,9 +143,71 @@ def test_the_chapter_shows_every_tensor_parallel_line():
     """The lesson is in the file, in the order a reader follows it; chapter 7 is the diff."""
     source = (REPO / "tensor_parallel.py").read_text()
     train = source.split("def train(cfg, ctx):")[1]
-    calls = ["init_device_mesh(", 'mesh_dim_names=("dp", "tp")', "DistributedSampler(train_set, num_replicas=cfg.dp",
+    calls = ["DeviceMesh.from_group(", 'mesh_dim_names=("dp", "tp")', "DistributedSampler(train_set, num_replicas=cfg.dp",
              'parallelize_module(model.linear_relu_stack, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})',
              'fully_shard(layer, mesh=mesh["dp"]', 'fully_shard(model, mesh=mesh["dp"]', "torch.optim.SGD(",
              "set_epoch(", "get_model_state_dict(", "if ctx.is_main:"]
     where = [train.find(call) for call in calls]
     assert -1 not in where and where == sorted(where), list(zip(calls, where))
+
+
+def test_each_layer_shows_what_the_plan_made_of_it(tp_runs):
+    """The chapter prints each weight's DTensor placements and the slice rank 0 holds: at tp 2 the first Linear cut by
+    its rows, the second by its columns, the last replicated; in 2-D each also cut by FSDP2 on dp."""
+    _, log, _ = tp_runs[2, 1]
+    assert "linear_relu_stack.0.weight: [512, 784] (Shard(dim=0),) on ('tp',), rank 0 holds [256, 784]" in log, log
+    assert "linear_relu_stack.2.weight: [512, 512] (Shard(dim=1),) on ('tp',), rank 0 holds [512, 256]" in log
+    assert "linear_relu_stack.4.weight: [10, 512] (Replicate(),) on ('tp',), rank 0 holds [10, 512]" in log
+    if FSDP2_HERE:
+        _, log, _ = tp_runs[4, 2]
+        assert "linear_relu_stack.2.weight: [512, 512] (Shard(dim=0), Shard(dim=1)) on ('dp', 'tp'), rank 0 holds " \
+               "[256, 256]" in log, log
+
+
+@pytest.mark.skipif(not FSDP2_HERE, reason="2-D needs FSDP2 on the CPU")
+def test_2d_with_uneven_test_shards_runs_as_many_test_batches_on_every_row(real_data, tmp_path, procs):
+    """2001 test images over 2 rows: shards of 1001 and 1000. Every forward is collective, so both rows must run as
+    many test batches: sized from the largest shard (2 of 501), not a fixed 1000 (2 batches against 1)."""
+    code, out, err = torchrun(4, [*slice_args(real_data, tmp_path), "--dp", "2", "--epochs", "1", "--test-samples",
+                                  "2001", "--timeout", "30"], procs, timeout=180)
+    assert code == 0 and "Accuracy:" in out, err
+
+
+@pytest.mark.parametrize("flags", [["--precision", "bf16"], ["--accum-steps", "2"], ["--compile"]],
+                         ids=["bf16", "accum-2", "compile"])
+def test_the_training_flags_run_under_tensor_parallel(flags, real_data, reference, tmp_path, procs):
+    """The flags docs/tensor_parallel.md says chapter 9 takes, at tp 2: --accum-steps and --compile train chapter 1's
+    model; bf16 learns as much as fp32 (its losses are bf16's, the weights cannot tell)."""
+    code, out, err = torchrun(2, [*slice_args(real_data, tmp_path), *flags, "--timeout", "120"], procs, timeout=300)
+    assert code == 0, err
+    if flags[0] == "--precision":
+        fp32, bf16 = (float(re.findall(r"Accuracy: ([\d.]+)%", log)[-1]) for log in (reference[1], out))
+        assert abs(fp32 - bf16) <= 1.0, (fp32, bf16)
+    else:
+        assert max_abs_diff(reference[0], load_state(tmp_path / "model.pth")) <= SAME_MODEL
+
+
+@pytest.mark.skipif(not FSDP2_HERE, reason="2-D needs FSDP2 on the CPU")
+def test_a_2d_rank_whose_peer_stops_answering_ends_within_the_timeout(real_data, tmp_path, procs):
+    """Rank 2 (row 1) frozen (SIGSTOP) mid-training at --dp 2: rank 0, in its row's all-gather or all-reduce with it,
+    waits no longer than --timeout and stops with one line. The mesh's groups are the chapter's own, each made with
+    the timeout: a device mesh's default groups wait torch's default, 30 minutes on gloo."""
+    args = [*slice_args(real_data, tmp_path), "--dp", "2", "--epochs", "50", "--timeout", "10"]
+    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "4", "tensor_parallel.py", *map(str, args)])
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "metrics.jsonl").exists() or "epoch" not in (tmp_path / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and p.poll() is None, "the run did not reach its first test"
+        time.sleep(0.2)
+    rank0, rank2 = (next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(int(pid), r, p.pid))
+                    for r in (0, 2))
+    os.kill(rank2, signal.SIGSTOP)
+    stopped = time.monotonic()
+    while _running(rank0):
+        assert time.monotonic() - stopped < 10 + 30, "rank 0 still waits on its frozen peer"
+        time.sleep(0.1)
+    seconds = time.monotonic() - stopped
+    os.kill(rank2, signal.SIGCONT)
+    code, out, err = procs.wait(p, timeout=120)
+    print(f"rank 0 ended {seconds:.1f} s after rank 2 froze (--timeout 10)")
+    assert code != 0 and "Done!" not in out and seconds >= 9, (seconds, err)
+    assert len([line for line in err.splitlines() if line.startswith("error: [rank 0]")]) == 1, err

@@ -8,7 +8,7 @@ import pytest
 
 from common.metrics import read_metrics
 from conftest import (BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line,
-                      run_forked, run_script, slice_args)
+                      run_forked_cases, run_script, slice_args)
 from test_ddp import SAME_MODEL, _accuracy_lines, launch
 
 # --accum-steps K at 1, 2 and 3 ranks (K = 1 is test_ddp's): the same 48-image global batch as chapter 1, on 996
@@ -94,8 +94,9 @@ CANNOT_WORK = [
 
 
 @pytest.fixture(scope="module")
-def cannot_work_runs():
-    return run_forked([(argv[0], argv[1:], {}) for argv, _ in CANNOT_WORK])
+def cannot_work_runs(request):
+    cases = [(argv[0], argv[1:], {}) for argv, _ in CANNOT_WORK]
+    return run_forked_cases(request, "test_flags_that_cannot_work_are_one_line", cases)
 
 
 @pytest.mark.parametrize("case", range(len(CANNOT_WORK)),
