@@ -290,7 +290,7 @@ NO_SYNC = textwrap.dedent("""
                 torch.cuda.set_sync_debug_mode("error")
         return call
 
-    engine.all_reduce_sum, engine._sync = quiet(engine.all_reduce_sum), quiet(engine._sync)
+    engine.all_reduce_sum, engine.synchronize = quiet(engine.all_reduce_sum), quiet(engine.synchronize)
     cfg = Config(batch_size=64, log_every=50, data_dir=sys.argv[1], train_samples=9600)
     ctx = DistContext(device=torch.device("cuda", 0))
     train_set, _, _ = load_fashion_mnist(cfg, ctx.device)

@@ -60,9 +60,10 @@ def test_stop_leaves_no_process(slurm, tmp_path):
         while time.monotonic() < deadline and len(other.stray_processes()) < 8:
             time.sleep(0.2)
         ours.update(other.stray_processes())
+        seen = f"job {job_id}: {other.job_state(job_id)['fields']}\n{other._logs()}"
     finally:
         other.stop()
     other.stop()  # a second stop is harmless
-    assert len(ours) >= 9  # munged, slurmctld, slurmd, slurmscriptd, 2 slurmstepd, script, sruns, sleeps
+    assert len(ours) >= 9, seen  # munged, slurmctld, slurmd, slurmscriptd, 2 slurmstepd, script, sruns, sleeps
     assert [pid for pid, started in ours.items() if _alive(pid, started)] == []
     assert slurm.run("sinfo", "-h", "-o", "%T").stdout.strip() == "idle"  # the first cluster is untouched
