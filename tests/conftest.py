@@ -119,7 +119,8 @@ def pytest_collection_modifyitems(config, items):
     every test of a SLURM cluster in one group, so one local cluster runs at a time."""
     unused = set(QUICK)
     for item in items:
-        group = "slurm" if "slurm" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        clusters = {"slurm", "two_nodes"} & set(getattr(item, "fixturenames", ()))  # one- and two-node SLURM
+        group = "slurm" if clusters else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
         for entry in QUICK:
             if item.nodeid.startswith(entry):
