@@ -129,29 +129,38 @@ def test_a_snapshot_of_2_stages_resumes_on_3(real_data, tmp_path, procs):
 
 def test_a_stage_whose_peer_stops_answering_ends_within_the_timeout(real_data, tmp_path, procs):
     """Rank 1 frozen (SIGSTOP) in the middle of training: rank 0 waits for its peer no longer than --timeout, then
-    stops with one line, and torchrun ends the job (no hang). The frozen rank is let go (SIGCONT) once rank 0 has
-    ended, so that torchrun's SIGTERM reaches it at once rather than its SIGKILL 30 s later."""
-    args = [*slice_args(real_data, tmp_path), "--epochs", "50", "--timeout", "10"]
-    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "pipeline.py", *map(str, args)])
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "metrics.jsonl").exists() or "epoch" not in (tmp_path / "metrics.jsonl").read_text():
-        assert time.monotonic() < deadline and p.poll() is None, "the run did not reach its first test"
-        time.sleep(0.2)
-    rank0, rank1 = (next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(int(pid), r, p.pid))
-                    for r in (0, 1))
-    os.kill(rank1, signal.SIGSTOP)
-    stopped = time.monotonic()
-    while _running(rank0):
-        assert time.monotonic() - stopped < 10 + 20, "rank 0 still waits on its frozen peer"
-        time.sleep(0.1)
-    seconds = time.monotonic() - stopped
-    os.kill(rank1, signal.SIGCONT)
-    code, out, err = procs.wait(p, timeout=120)
+    stops with one line, and torchrun ends the job (no hang)."""
+    seconds, code, out, err = freeze_a_rank_mid_training(procs, "pipeline.py", 2, slice_args(real_data, tmp_path),
+                                                         tmp_path, frozen=1, grace=20)
     print(f"rank 0 ended {seconds:.1f} s after its peer froze (--timeout 10)")
     assert code != 0 and "Done!" not in out, err
     assert seconds >= 9, seconds  # it did wait for its peer: the timeout, not something else, ended it
     lines = [line for line in err.splitlines() if line.startswith("error: [rank 0]")]
     assert len(lines) == 1, err
+
+
+def freeze_a_rank_mid_training(procs, script, nprocs, args, run_dir, frozen, grace, first_test_within=120):
+    """Start script under torchrun with --timeout 10 for 50 epochs; once its first test is written, freeze rank
+    `frozen` (SIGSTOP) and time how long rank 0 goes on (at most 10 + grace seconds). The frozen rank is let go
+    (SIGCONT) once rank 0 has ended, so that torchrun's SIGTERM reaches it at once rather than its SIGKILL 30 s
+    later. Returns (seconds, exit code, stdout, stderr)."""
+    args = [*map(str, args), "--epochs", "50", "--timeout", "10"]
+    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(nprocs), script, *args])
+    deadline = time.monotonic() + first_test_within
+    while not (run_dir / "metrics.jsonl").exists() or "epoch" not in (run_dir / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and p.poll() is None, "the run did not reach its first test"
+        time.sleep(0.2)
+    rank0, victim = (next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(int(pid), r, p.pid))
+                     for r in (0, frozen))
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    while _running(rank0):
+        assert time.monotonic() - stopped < 10 + grace, "rank 0 still waits on its frozen peer"
+        time.sleep(0.1)
+    seconds = time.monotonic() - stopped
+    os.kill(victim, signal.SIGCONT)
+    code, out, err = procs.wait(p, timeout=120)
+    return seconds, code, out, err
 
 
 def _running(pid):

@@ -1,17 +1,14 @@
 """Chapter 9 through torchrun: tensor parallel (and 2-D with FSDP2) trains chapter 1's model; its snapshots reshard."""
-import os
 import re
-import signal
-import time
 
 import pytest
 import torch
 
 from common.metrics import read_metrics
-from conftest import REPO, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, slice_args, torchrun_script
+from conftest import REPO, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, slice_args, torchrun_script
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV
-from test_pipeline import _is_rank, _running
+from test_pipeline import freeze_a_rank_mid_training
 
 # Measured on torch 2.14.1, 1 thread per rank, SLICE's 40 steps: 3.7e-9 at tp 2, tp 4 and dp 2 x tp 2 (the second
 # Linear's products are summed in tp parts by the all-reduce, chapter 1 sums them in one): the DDP chapters' bound.
@@ -192,22 +189,9 @@ def test_a_2d_rank_whose_peer_stops_answering_ends_within_the_timeout(real_data,
     """Rank 2 (row 1) frozen (SIGSTOP) mid-training at --dp 2: rank 0, in its row's all-gather or all-reduce with it,
     waits no longer than --timeout and stops with one line. The mesh's groups are the chapter's own, each made with
     the timeout: a device mesh's default groups wait torch's default, 30 minutes on gloo."""
-    args = [*slice_args(real_data, tmp_path), "--dp", "2", "--epochs", "50", "--timeout", "10"]
-    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "4", "tensor_parallel.py", *map(str, args)])
-    deadline = time.monotonic() + 180
-    while not (tmp_path / "metrics.jsonl").exists() or "epoch" not in (tmp_path / "metrics.jsonl").read_text():
-        assert time.monotonic() < deadline and p.poll() is None, "the run did not reach its first test"
-        time.sleep(0.2)
-    rank0, rank2 = (next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(int(pid), r, p.pid))
-                    for r in (0, 2))
-    os.kill(rank2, signal.SIGSTOP)
-    stopped = time.monotonic()
-    while _running(rank0):
-        assert time.monotonic() - stopped < 10 + 30, "rank 0 still waits on its frozen peer"
-        time.sleep(0.1)
-    seconds = time.monotonic() - stopped
-    os.kill(rank2, signal.SIGCONT)
-    code, out, err = procs.wait(p, timeout=120)
+    seconds, code, out, err = freeze_a_rank_mid_training(procs, "tensor_parallel.py", 4,
+                                                         [*slice_args(real_data, tmp_path), "--dp", "2"], tmp_path,
+                                                         frozen=2, grace=30, first_test_within=180)
     print(f"rank 0 ended {seconds:.1f} s after rank 2 froze (--timeout 10)")
     assert code != 0 and "Done!" not in out and seconds >= 9, (seconds, err)
     assert len([line for line in err.splitlines() if line.startswith("error: [rank 0]")]) == 1, err
