@@ -157,7 +157,7 @@ class LocalSlurm:
         # Every daemon (and so every slurmstepd they fork) carries this, so stop() can find strays.
         self._marker_value = f"{os.getpid()}-{id(self)}-{time.time_ns()}"
         self._marker = f"LOCAL_SLURM_ID={self._marker_value}"
-        self._munge_tmp = None
+        self._socket_dir = self.spool = None
 
     @property
     def env(self):
@@ -198,17 +198,20 @@ class LocalSlurm:
         No cgroup.conf: proctrack/linuxproc and task/none do not need one (slurmd starts fine without).
         """
         # A restart in the same workdir starts afresh: no jobs, node state or cluster name from before.
-        for sub in ("state", "spool"):
-            shutil.rmtree(self.workdir / sub, ignore_errors=True)
-        for sub in ("state", "spool", "log", "munge"):
+        shutil.rmtree(self.workdir / "state", ignore_errors=True)
+        for sub in ("state", "log"):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
-        munge_dir = self.workdir / "munge"
-        # munged wants every folder above its socket searchable by all (pytest's tmp folders are 0700),
-        # and a unix socket path must fit in 108 bytes: else the socket goes to a folder of its own in /tmp.
-        if len(str(munge_dir / "munge.socket")) > 100 or not _searchable_by_all(munge_dir.parent):
-            self._munge_tmp = Path(tempfile.mkdtemp(prefix="munge-", dir="/tmp" if _searchable_by_all("/tmp") else None))
-            munge_dir = self._munge_tmp
-        os.chmod(munge_dir, 0o711)
+        # The daemons' unix sockets live in a short folder of their own in /tmp: a socket's path must fit in
+        # 108 bytes, and each slurmstepd's (SPOOL/NODE_JOBID.STEPID) is about 30 past the spool's, which a
+        # test's tmp_path under pytest-xdist overruns ("Unix socket path ... is too long. (109 > 108)": the job
+        # is requeued and never runs). munged also wants every folder above its socket searchable by all
+        # (pytest's tmp folders are 0700).
+        self._remove_socket_dir()
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp" if _searchable_by_all("/tmp") else None))
+        munge_dir, self.spool = self._socket_dir / "munge", self._socket_dir / "spool"
+        for path in (self._socket_dir, munge_dir, self.spool):
+            path.mkdir(exist_ok=True)
+            os.chmod(path, 0o711)
         key = self.workdir / "munge.key"
         if not key.exists():
             subprocess.run([_sbin("mungekey"), "-c", "-k", str(key)], check=True, capture_output=True)
@@ -246,7 +249,7 @@ CredType=cred/munge
 # cred_expire: also how long a requeued job waits before it may start again (default 120 s).
 AuthInfo=socket={socket_path},cred_expire=10
 StateSaveLocation={w / "state"}
-SlurmdSpoolDir={w / "spool" / ("%n" if many else "")}
+SlurmdSpoolDir={self.spool / ("%n" if many else "")}
 SlurmctldPidFile={w / "slurmctld.pid"}
 SlurmdPidFile={w / ("slurmd-%n.pid" if many else "slurmd.pid")}
 SlurmctldLogFile={w / "log" / "slurmctld.log"}
@@ -318,7 +321,7 @@ MessageTimeout=10
             self._spawn("slurmctld", self.on_node(head, [_sbin("slurmctld"), "-D", "-c", "-i", "-f", conf]))
             for node in self.nodes:
                 if len(self.nodes) > 1:
-                    (w / "spool" / node).mkdir(parents=True, exist_ok=True)
+                    (self.spool / node).mkdir(parents=True, exist_ok=True)
                 self._spawn(self._slurmd(node), self.on_node(node, [_sbin("slurmd"), "-D", "-N", node, "-f", conf]))
             self._wait_for(self._idle, timeout, "node idle")
         except BaseException as exc:
@@ -445,9 +448,12 @@ MessageTimeout=10
         """Cancel all jobs, then end slurmd, slurmctld, munged and any stray slurmstepd or task; idempotent."""
         if self.procs:
             self._stop_processes(grace)
-        if self._munge_tmp is not None:
-            shutil.rmtree(self._munge_tmp, ignore_errors=True)
-            self._munge_tmp = None
+        self._remove_socket_dir()
+
+    def _remove_socket_dir(self):
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
 
     def _stop_processes(self, grace):
         """stop() for a cluster whose daemons were started."""
