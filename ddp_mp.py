@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
+from common.comm_hooks import ONE_BUCKET_MB, register_comm_hook
 from common.config import parse_config
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
 from common.engine import evaluate, train_one_epoch
@@ -26,7 +27,7 @@ from common.ranks import DistContext, all_gather_flags, print0, rank_device
 
 
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("nprocs",))
+    cfg = parse_config(description=__doc__, chapter_flags=("nprocs", "comm_hook"))
     world_size = cfg.nprocs or default_nprocs(cfg.device)  # one process per visible GPU, or 2 on the CPU
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     rank_device(cfg.device, 0, world_size)  # more processes than GPUs: one line now, before any starts
@@ -76,7 +77,9 @@ def train(cfg, ctx):
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
     # Step 5, wrap: DDP copies rank 0's weights to every rank, then averages the gradients in each backward().
-    model = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)  # its GPU, not local_rank's
+    model = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,  # its GPU, not local_rank's
+                bucket_cap_mb=ONE_BUCKET_MB if cfg.comm_hook.startswith("powersgd") else None)  # see comm_hooks.py
+    hook_state = register_comm_hook(model, cfg)  # --comm-hook: what each all-reduce sends (torch's hook)
     if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
@@ -84,7 +87,7 @@ def train(cfg, ctx):
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
 
-    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
+    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state)  # 0, or the epochs it holds
     metrics = MetricsLog(output, ctx, first_epoch)
     # Step 6, epochs: each draws its own shuffle from seed + epoch.
     for epoch in range(first_epoch, cfg.epochs):
@@ -93,7 +96,7 @@ def train(cfg, ctx):
         # DDP acts inside: backward() all-reduces the gradients; with --accum-steps, no_sync() holds them back
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics, no_sync=model.no_sync)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx, hook_state)  # every --save-every epochs
         if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")

@@ -150,6 +150,5 @@ def load_sharded_snapshot(model, optimizer, cfg, ctx):
     return epochs_done
 
 
-
 if __name__ == "__main__":
     run_main(main)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from common.comm_hooks import all_gather_hook_state, load_hook_state
 from common.config import flag_text
 from common.errors import FatalError
 from common.ranks import all_reduce_sum, print0
@@ -25,8 +26,8 @@ SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v2"  # v2: the opt
 SHARDED_FIX = FIX = "delete it to start afresh, or pass another --snapshot"
 # The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones. The
 # world size, device, data folder, --epochs and --accum-steps may change (the same global batch trains the same
-# model); --precision may not (bf16 steps are not fp32 steps).
-TRAJECTORY_FLAGS = ("batch_size", "lr", "momentum", "seed", "train_samples", "precision")
+# model); --precision and --comm-hook may not (bf16 steps are not fp32 steps).
+TRAJECTORY_FLAGS = ("batch_size", "lr", "momentum", "seed", "train_samples", "precision", "comm_hook")
 
 
 def prepare_output(folder, flag="--output"):
@@ -84,16 +85,20 @@ def on_rank0_then_all_reduce(write, ctx, what):
         raise FatalError(f"rank 0 could not {what} (see its error)")
 
 
-def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx):
-    """With --snapshot, when due: rank 0 writes the snapshot file; every rank learns whether it could (all-reduce)."""
+def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=None):
+    """With --snapshot, when due: rank 0 writes the snapshot file; every rank learns whether it could (all-reduce).
+    hook_state: PowerSGD's (--comm-hook), every rank's gathered into the file."""
     if not snapshot_due(epochs_done, cfg):
         return
+    hook = all_gather_hook_state(hook_state, ctx)
+
     def write():
         atomic_save(dict(format=SNAPSHOT_FORMAT, epochs_done=epochs_done,
                          config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS},
                          model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
                          optimizer=optimizer.state_dict(),
-                         scaler=scaler.state_dict() if scaler else None), cfg.snapshot)  # fp16's loss scale
+                         scaler=scaler.state_dict() if scaler else None,  # fp16's loss scale
+                         comm_hook=hook), cfg.snapshot)
 
     on_rank0_then_all_reduce(write, ctx, f"write the snapshot {cfg.snapshot}")
 
@@ -112,7 +117,8 @@ def read_snapshot(path, kind, device="cpu"):
 
 def check_resumable(about, cfg, where):
     """A snapshot made with these trajectory flags and epochs done can continue this run; else one line saying why."""
-    made_with, epochs_done = {"precision": "fp32", "momentum": 0.0, **about["config"]}, about["epochs_done"]
+    made_with = {"precision": "fp32", "momentum": 0.0, "comm_hook": "none", **about["config"]}
+    epochs_done = about["epochs_done"]
     different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
     if different:
         theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
@@ -124,8 +130,9 @@ def check_resumable(about, cfg, where):
                          f"--epochs {epochs_done} or more, or {FIX}")
 
 
-def load_snapshot(model, optimizer, scaler, cfg, ctx):
-    """With --snapshot FILE and FILE there: load it into model and optimizer, return the epochs it holds; else 0."""
+def load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state=None):
+    """With --snapshot FILE and FILE there: load it into model, optimizer (and PowerSGD's hook_state), return the
+    epochs it holds; else 0."""
     if not cfg.snapshot:
         return 0
     path = Path(cfg.snapshot)
@@ -141,6 +148,7 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx):
             scaler.load_state_dict(snapshot["scaler"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise FatalError(f"snapshot {path} holds a different model ({str(e).strip().splitlines()[0]}); {FIX}") from None
+    load_hook_state(hook_state, snapshot.get("comm_hook"), ctx, path)
     print_resumed(ctx, path, snapshot["epochs_done"], cfg)
     return snapshot["epochs_done"]
 

@@ -1,5 +1,6 @@
 """The flags every chapter shares: one dataclass of defaults, built by argparse, printed once at start."""
 import argparse
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -12,9 +13,15 @@ from common.errors import UsageError
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage block) and exits 2."""
+    """argparse that reports a bad flag in one line (no usage block) and exits 2; a chapter flag given to another
+    chapter says which chapters take it."""
 
     def error(self, message):
+        if message.startswith("unrecognized arguments"):
+            for f in fields(Config):
+                name = "--" + f.name.replace("_", "-")
+                if f.metadata["taken_by"] and re.search(rf"{name}\b", message):
+                    message += f"; {name} is a flag of {f.metadata['taken_by']} only"
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -37,10 +44,21 @@ NON_NEGATIVE = _number(int, lambda v: v >= 0, "an integer >= 0")
 SHARED, REQUIRED = object(), object()  # a flag every chapter takes; a chapter flag without a default
 
 
-def flag(default, kind, text, chapter_default=SHARED):
+def flag(default, kind, text, chapter_default=SHARED, taken_by=None):
     """A Config field that is also a flag: kind is its type (or its choices, or bool for a switch), text its --help.
-    A chapter flag (chapter_default given) is taken only by the chapters that name it, with that default."""
-    return field(default=default, metadata=dict(kind=kind, text=text, chapter_default=chapter_default))
+    A chapter flag (chapter_default given) is taken only by the chapters that name it (taken_by), with that default."""
+    return field(default=default, metadata=dict(kind=kind, text=text, chapter_default=chapter_default,
+                                                taken_by=taken_by))
+
+
+def _comm_hook(text):
+    """--comm-hook's type: none, bf16, fp16, or powersgd[:RANK[:START]] (PowerSGD's rank and first compressed step)."""
+    name, *numbers = text.split(":")
+    if text in ("none", "bf16", "fp16") or (name == "powersgd" and len(numbers) <= 2
+                                            and all(n.isdigit() and int(n) >= i + 1 for i, n in enumerate(numbers))):
+        return text
+    raise argparse.ArgumentTypeError(f"must be none, bf16, fp16 or powersgd[:RANK[:START]] (RANK >= 1, START >= 2; "
+                                     f"e.g. powersgd:4), got {text}")
 
 
 @dataclass
@@ -68,24 +86,30 @@ class Config:
     compile: bool = flag(False, bool, "torch.compile the model (it needs a C compiler: g++ on CPUs, gcc for Triton)")
     # Chapter flags: only the chapters that name them take them.
     nprocs: Optional[int] = flag(None, POSITIVE, "processes to spawn (default one per visible GPU, or 2 on a CPU)",
-                                 chapter_default=None)
+                                 chapter_default=None, taken_by="ddp_mp.py")
     init_method: Optional[str] = flag(None, str, "rendezvous: tcp://HOST:PORT (rank 0's address) or file:///shared/path",
-                                      chapter_default=REQUIRED)
-    rank: Optional[int] = flag(None, NON_NEGATIVE, "this process's global rank, 0 .. world size - 1", REQUIRED)
-    world_size: Optional[int] = flag(None, POSITIVE, "total number of processes over all machines", REQUIRED)
+                                      chapter_default=REQUIRED, taken_by="ddp_tcp_manual.py")
+    rank: Optional[int] = flag(None, NON_NEGATIVE, "this process's global rank, 0 .. world size - 1", REQUIRED,
+                               "ddp_tcp_manual.py")
+    world_size: Optional[int] = flag(None, POSITIVE, "total number of processes over all machines", REQUIRED,
+                                     "ddp_tcp_manual.py")
     local_rank: Optional[int] = flag(None, NON_NEGATIVE, "this process's index on its machine; picks cuda:N (default 0)",
-                                     chapter_default=None)
+                                     chapter_default=None, taken_by="ddp_tcp_manual.py")
     schedule: Optional[str] = flag(None, ("gpipe", "1f1b"), "pipeline schedule: all forwards then all backwards, or "
-                                   "one of each in turn", chapter_default="gpipe")
-    microbatches: Optional[int] = flag(None, POSITIVE, "micro-batches each global batch is cut into", 4)
-    dp: Optional[int] = flag(None, POSITIVE, "data-parallel groups; each group's ranks split every layer", 1)
+                                   "one of each in turn", chapter_default="gpipe", taken_by="pipeline.py")
+    microbatches: Optional[int] = flag(None, POSITIVE, "micro-batches each global batch is cut into", 4, "pipeline.py")
+    dp: Optional[int] = flag(None, POSITIVE, "data-parallel groups; each group's ranks split every layer", 1,
+                              "tensor_parallel.py")
+    comm_hook: str = flag("none", _comm_hook, "DDP's communication hook: what each all-reduce sends: bf16/fp16 halve "
+                          "the bytes, powersgd[:R] a rank-R approximation (docs/scaling.md)", "none",
+                          "the DDP chapters (ddp_launch.py, ddp_mp.py, ddp_tcp_manual.py, ddp_slurm.py)")
 
     def describe(self):
         """One line with every setting the chapter uses, for the top of the log."""
         shown = {k: v for k, v in asdict(self).items() if k not in CHAPTER_FLAGS or v is not None}
         if self.snapshot is None:  # no snapshots: their settings change nothing
             del shown["snapshot"], shown["save_every"]
-        for name in ("momentum", "accum_steps", "precision", "compile"):  # shown when used (else the quickstart's)
+        for name in ("momentum", "accum_steps", "precision", "compile", "comm_hook"):  # shown when used (else the quickstart's)
             if shown[name] == getattr(Config, name):
                 del shown[name]
         return "Config: " + " ".join(f"{k}={v}" for k, v in shown.items())

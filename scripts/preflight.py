@@ -177,7 +177,7 @@ def spawned(rank, cfg, world_size):
 
 
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("nprocs",))  # the job's flags are accepted as they are
+    cfg = parse_config(description=__doc__, chapter_flags=("nprocs", "comm_hook"))  # the job's flags are accepted as they are
     if cfg.nprocs is not None or not ({"RANK", "WORLD_SIZE"} <= os.environ.keys() or "SLURM_STEP_ID" in os.environ):
         world_size = cfg.nprocs or default_nprocs(cfg.device)  # as ddp_mp.py: mp.spawn on this machine
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -63,6 +63,7 @@ from scripts.strategy_table import sent_by_ring  # noqa: E402
 
 WARMUP = 3  # optimizer steps before the measurement (allocations, the buckets' first all-reduces)
 STEPS = {None: 10, "unlimited": 10, "1gbit": 10, "100mbit": 5, "10mbit": 5}  # measured, per link (None: alone)
+SHORT_STEPS = 20  # measured at every link for a row whose steps send little (PowerSGD's): their times vary more
 BATCH = 1024  # global batch: 512 images per rank, enough compute per step to hide some communication behind
 RATES = {"unlimited": None, "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
 ROWS = {  # name: (chapter, its flags, global batch, DDP's bucket_cap_mb or None, link rates, what it is, short)
@@ -73,8 +74,24 @@ ROWS = {  # name: (chapter, its flags, global batch, DDP's bucket_cap_mb or None
     "bucket25": ("ddp_launch.py", [], BATCH, 25, ("1gbit", "100mbit"), "DDP, one bucket (bucket_cap_mb=25)",
                  "DDP\n1 bucket"),
     "fsdp": ("fsdp.py", [], BATCH, None, tuple(RATES), "FSDP2 (chapter 7)", "FSDP2"),
+    # The remedies for a slow link: torch's communication hooks (--comm-hook), alone and with accumulation.
+    "bf16": ("ddp_launch.py", ["--comm-hook", "bf16"], BATCH, None, tuple(RATES), "DDP, --comm-hook bf16",
+             "DDP\nbf16"),
+    "powersgd": ("ddp_launch.py", ["--comm-hook", "powersgd"], BATCH, None, tuple(RATES),
+                 "DDP, --comm-hook powersgd (rank 1)", "DDP\nPowerSGD 1"),
+    "powersgd4": ("ddp_launch.py", ["--comm-hook", "powersgd:4"], BATCH, None, tuple(RATES),
+                  "DDP, --comm-hook powersgd:4", "DDP\nPowerSGD 4"),
+    "accum_powersgd": ("ddp_launch.py", ["--accum-steps", "4", "--comm-hook", "powersgd"], 4 * BATCH, None,
+                       ("10mbit",), "DDP, --accum-steps 4, 4x the batch, --comm-hook powersgd",
+                       "DDP accum 4\nPowerSGD 1"),
+    # For --accuracy only: PowerSGD from torch's default first compressed step, 1,000 (common/comm_hooks.py's 2).
+    "powersgd_late": ("ddp_launch.py", ["--comm-hook", "powersgd:1:1000"], BATCH, None, (),
+                      "DDP, --comm-hook powersgd:1:1000", "DDP\nPowerSGD late"),
 }
 FLOOR_GOAL = 1.25  # measured communication / floor, at 10 and 100 Mbit/s
+REMEDIES = ("ddp", "accum", "bf16", "powersgd", "powersgd4", "accum_powersgd")
+SPEED_GOAL = {"100mbit": 1.3, "10mbit": 0.75}  # two ranks with a remedy against chapter 1's images/s
+ACCURACY_EPOCHS, ACCURACY_BATCH = 5, 64  # --accuracy: the quickstart's 5 epochs at its batch (x the row's factor)
 PORT = "29500"
 
 
@@ -120,7 +137,14 @@ def worker(chapter, out, bucket_cap_mb, measured, args):
 
         torch.nn.parallel.DistributedDataParallel.__init__ = init_with_bucket
 
-    profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    # Every thread's collectives: PowerSGD starts its second and third all-reduce from a callback, on gloo's thread
+    # (profile_all_threads: torch 2.8 on; before it, those go uncounted).
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+        every_thread = dict(experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    except TypeError:
+        every_thread = {}
+    profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True, **every_thread)
     steps, record = [0], {}
 
     def after_step(optimizer, *_):
@@ -244,13 +268,13 @@ def tcp_counters(net):
 def run_on_two(name, rate, net, data_dir, tmp):
     """A row's chapter with one rank on each machine, over the link as it is shaped now."""
     chapter, flags, batch, bucket = ROWS[name][:4]
+    steps = min(SHORT_STEPS, 60_000 // batch - WARMUP) if "powersgd" in " ".join(flags) else STEPS[rate]  # 60,000 images
     out = Path(tempfile.mkdtemp(prefix=f"{name}-two-", dir=tmp))
     procs = []
     for i, node in enumerate(NODES):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--node-rank", str(i), "--master-addr", NODES["nodea"], "--master-port", PORT,
-               *worker_command(chapter, out, bucket, STEPS[rate]),
-               *chapter_args(batch, flags, out / "run", data_dir, STEPS[rate])]
+               *worker_command(chapter, out, bucket, steps), *chapter_args(batch, flags, out / "run", data_dir, steps)]
         procs.append(subprocess.Popen(net.command(node, cmd), cwd=REPO, env=env(GLOO_SOCKET_IFNAME=IFNAME),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     records = collect(out, 2, procs, f"{chapter} on two machines")
@@ -397,7 +421,9 @@ def derive(measured):
             seconds = median(c for r in ranks for c in r["kinds"][kind]["communication"])
             sent = max(r["kinds"][kind]["ring_bytes"] for r in ranks)
             by_kind[kind] = dict(communication=seconds, ring_bytes=sent,
-                                 over_floor=seconds / (sent * 8 / tc_bits(rate)) if RATES[rate] else None)
+                                 over_floor=seconds / (sent * 8 / tc_bits(rate)) if RATES[rate] else None,
+                                 per_rank=[median(r["kinds"][kind]["communication"]) / (sent * 8 / tc_bits(rate))
+                                           for r in ranks] if RATES[rate] else None)
         images_per_s = batch / step
         results.append(dict(
             row=name, rate=rate, batch=batch, step=step, compute=compute, communication=communication,
@@ -445,12 +471,61 @@ def checks(results):
     lines = []
     for r in results:
         if r["rate"] in ("10mbit", "100mbit"):
-            each = [f"{kind} {x['over_floor']:.2f}x" for kind, x in r["by_kind"].items()]
+            each = [f"{kind} {x['over_floor']:.2f}x (" + ", ".join(f"rank {i} {v:.2f}x" for i, v in
+                                                                   enumerate(x.get("per_rank") or [])) + ")"
+                    for kind, x in r["by_kind"].items()]
             kinds = f"; by kind: {', '.join(each)}" if len(each) > 1 else ""
             lines.append(f"{'PASS' if r['over_floor'] <= FLOOR_GOAL else 'MISS'}: {ROWS[r['row']][5]} at "
                          f"{RATES[r['rate']]}: communication {r['over_floor']:.2f}x its floor ({ms(r['communication'])}"
                          f" ms against {ms(r['floor'])} ms; goal <= {FLOOR_GOAL}x){kinds}")
+    for r in results:  # the remedies against chapter 1's speed
+        goal = SPEED_GOAL.get(r["rate"])
+        if goal and r["row"] in REMEDIES and r["vs_single"] is not None:
+            lines.append(f"{'PASS' if r['vs_single'] >= goal else 'MISS'}: {ROWS[r['row']][5]} at {RATES[r['rate']]}: "
+                         f"{r['vs_single']:.2f}x chapter 1's images/s (goal >= {goal}x)")
     return lines
+
+
+def remedies(results, measured):
+    """The remedies side by side: bytes each rank sends per step, speed against chapter 1 per link rate, and test
+    accuracy after ACCURACY_EPOCHS epochs on the full data (--accuracy), against chapter 1's."""
+    accuracy = measured.get("accuracy", {})
+    rates = [rate for rate in ("1gbit", "100mbit", "10mbit") if any(r["rate"] == rate for r in results)]
+    lines = [f"| remedy | images/step | KiB sent per step | {' | '.join(f'vs chapter 1 at {RATES[x]}' for x in rates)} "
+             f"| accuracy after {ACCURACY_EPOCHS} epochs |", "|---" * (4 + len(rates)) + "|"]
+    if "single" in accuracy:
+        lines.append(f"| chapter 1, one process | {ROWS['single'][2]} | - | {' | '.join('1.00' for _ in rates)} | "
+                     f"{100 * accuracy['single']['accuracy']:.1f}% |")
+    for name in [n for n in REMEDIES if any(r["row"] == n for r in results)] + ["powersgd_late"]:
+        here = {r["rate"]: r for r in results if r["row"] == name}
+        if not here and name not in accuracy:
+            continue
+        sent = next(iter(here.values()))["ring_bytes"] if here else None
+        acc = accuracy.get(name, {}).get("accuracy")
+        delta = (f" ({100 * (acc - accuracy['single']['accuracy']):+.1f})" if acc is not None and "single" in accuracy
+                 else "")
+        lines.append(f"| {ROWS[name][5]} | {ROWS[name][2]} | {kib(sent)} | "
+                     f"{' | '.join(times(here[x]['vs_single']) if x in here else '-' for x in rates)} | "
+                     f"{'-' if acc is None else f'{100 * acc:.1f}%'}{delta} |")
+    return "\n".join(lines)
+
+
+def run_for_accuracy(name, data_dir, tmp):
+    """A row's chapter for ACCURACY_EPOCHS epochs on the full data, 2 ranks on this machine (a link's rate changes
+    the time, not the model): its last test accuracy and loss."""
+    chapter, flags, batch = ROWS[name][:3]
+    out = Path(tempfile.mkdtemp(prefix=f"{name}-accuracy-", dir=tmp))
+    launcher = ([sys.executable] if chapter == "single_gpu.py" else
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+    cmd = [*launcher, chapter, *flags, "--batch-size", str(ACCURACY_BATCH * batch // BATCH), "--epochs",
+           str(ACCURACY_EPOCHS), "--device", "cpu", "--output", str(out), *(["--data-dir", data_dir] if data_dir else [])]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    log = wait_for([proc], f"{chapter} {' '.join(flags)} for {ACCURACY_EPOCHS} epochs", timeout=3600)[0]
+    last = log[log.rindex("Accuracy:"):].split()
+    return dict(accuracy=float(last[1].rstrip("%,")) / 100, test_loss=float(last[4]),
+                seconds=time.perf_counter() - start)
 
 
 def chart(results, measured, path):
@@ -499,17 +574,53 @@ def chart(results, measured, path):
     print(f"Wrote {path}")
 
 
+def speed_chart(results, measured, path):
+    """Speed against chapter 1 per link rate, one line per strategy and remedy, the break-even line at 1.0."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise FatalError("--speed-png needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bits = {"10mbit": 1e7, "100mbit": 1e8, "1gbit": 1e9, "unlimited": 1e10}  # unlimited: drawn right of 1 Gbit/s
+    fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=90)
+    for name in [n for n in ROWS if any(r["row"] == n and r["vs_single"] for r in results)]:
+        here = sorted((bits[r["rate"]], r["vs_single"]) for r in results if r["row"] == name)
+        ax.plot(*zip(*here), marker="o", label=ROWS[name][5], lw=2 if name in REMEDIES[2:] else 1,
+                ls="-" if name in REMEDIES else ":")
+    ax.axhline(1.0, color="black", lw=1, ls="--")
+    ax.text(1.1e7, 1.03, "chapter 1, one process (break-even)", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(list(bits.values()), ["10 Mbit/s", "100 Mbit/s", "1 Gbit/s", "unlimited"])
+    ax.set_xlabel("link between the two machines")
+    ax.set_ylabel("images/s against chapter 1 (log)")
+    ax.set_title(f"Two machines, one rank each (gloo, TCP {measured.get('tcp')}), global batch {BATCH}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    print(f"Wrote {path}")
+
+
 def report(measured, args):
     results = derive(measured)
     env_ = measured.get("environment", {})
     print(f"\nTwo machines (network namespaces), one rank each, gloo, 1 thread per rank, TCP {measured.get('tcp')}; "
-          f"the median of 5-10 steps after {WARMUP}; torch {env_.get('torch')}, {env_.get('cpu_count')} cores\n")
+          f"the median of 5-{SHORT_STEPS} steps after {WARMUP}; torch {env_.get('torch')}, {env_.get('cpu_count')} cores\n")
     print(table(results, measured))
     print()
     for line in checks(results):
         print(line)
+    if any(r["row"] in REMEDIES[1:] for r in results) or measured.get("accuracy"):
+        print(f"\nThe remedies side by side (accuracy: {ACCURACY_EPOCHS} epochs on the full data at 2 ranks, "
+              f"--batch-size {ACCURACY_BATCH} x the row's factor)\n")
+        print(remedies(results, measured))
     if args.png:
         chart(results, measured, args.png)
+    if args.speed_png:
+        speed_chart(results, measured, args.speed_png)
 
 
 def write_json(path, data):
@@ -536,11 +647,18 @@ def main():
         known = p.parse_args()
         return order_worker(known.order_worker, known.reps)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, of {','.join(ROWS)} (default all)")
+    swept = [name for name in ROWS if ROWS[name][4] or name == "single"]
+    p.add_argument("--rows", default=",".join(swept), help=f"rows to run, of {','.join(ROWS)} (default "
+                   f"{','.join(swept)})")
+    p.add_argument("--accuracy", action="store_true",
+                   help=f"also train chapter 1 and each remedy row ({','.join(REMEDIES)}, powersgd_late) for "
+                        f"{ACCURACY_EPOCHS} epochs on the full data and report their test accuracy (about 2 minutes "
+                        f"each on 2 cores)")
     p.add_argument("--rates", default=",".join(RATES), help=f"link rates, of {','.join(RATES)} (default all)")
     p.add_argument("--data-dir", default=None, help="FashionMNIST folder (default: the chapters' own search)")
     p.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     p.add_argument("--png", metavar="PATH", help="also draw the chart (needs matplotlib)")
+    p.add_argument("--speed-png", metavar="PATH", help="also draw speed against chapter 1 per link rate (matplotlib)")
     p.add_argument("--from-json", metavar="PATH", help="run nothing: the table and chart of a saved --json file")
     p.add_argument("--congestion-control", metavar="NAME", default="reno",
                    help="TCP's congestion control on the two machines: reno (the default: every kernel lets a "
@@ -571,6 +689,13 @@ def main():
             p.error(f"{flag}: no {', '.join(unknown)}; choose from {', '.join(known)}")
     import torch
     measured = measure(rows, [r for r in RATES if r in rates], args.data_dir, args.congestion_control)
+    if args.accuracy:
+        measured["accuracy"] = {}
+        with tempfile.TemporaryDirectory(prefix="accuracy-") as tmp:
+            for name in ["single", *[n for n in REMEDIES if n in rows], "powersgd_late"]:
+                measured["accuracy"][name] = run_for_accuracy(name, args.data_dir, tmp)
+                print(f"{name}: {100 * measured['accuracy'][name]['accuracy']:.1f}% after {ACCURACY_EPOCHS} epochs "
+                      f"({measured['accuracy'][name]['seconds']:.0f} s)", file=sys.stderr, flush=True)
     measured["environment"] = dict(torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
                                    node=platform.node())
     write_json(args.json, measured)

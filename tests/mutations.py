@@ -120,6 +120,25 @@ MUTATIONS = [
         [f"{TRAIN_FLAGS}::test_compile_trains_the_same_model[torchrun-2-K2]"],
         ("ddp_launch.py", "        model.compile()", "        pass")),
 
+    # --- Slow links: DDP's communication hooks (--comm-hook) ---
+    bug("comm-hook-not-registered", "--comm-hook bf16 sends half the bytes: counted in gloo's collectives",
+        ["tests/test_scaling.py::test_scaling_counts_the_bytes_each_strategy_sends[bf16]"],
+        ("common/comm_hooks.py", '        model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))',
+         "        pass")),
+    bug("powersgd-state-not-resumed", "nothing lost: PowerSGD's residuals and factors go into --snapshot",
+        ["tests/test_comm_hooks.py::test_powersgd_resumes_as_the_uninterrupted_run[mp-powersgd]"],
+        ("common/checkpoint.py", '    load_hook_state(hook_state, snapshot.get("comm_hook"), ctx, path)\n', "")),
+    bug("powersgd-residuals-out-of-order", "nothing lost: a resumed run's first step puts PowerSGD's residuals in its "
+        "bucket's order", ["tests/test_comm_hooks.py::test_powersgd_resumes_as_the_uninterrupted_run[mp-powersgd]"],
+        ("common/comm_hooks.py", "        if b in layouts and layouts[b] != layout:", "        if False:")),
+    bug("powersgd-with-two-buckets", "PowerSGD on gloo in one bucket: two buckets' callbacks race, and gloo aborts",
+        ["tests/test_comm_hooks.py::test_powersgd_resumes_as_the_uninterrupted_run[mp-powersgd]"],
+        ("ddp_mp.py", 'bucket_cap_mb=ONE_BUCKET_MB if cfg.comm_hook.startswith("powersgd") else None)',
+         "bucket_cap_mb=None)")),
+    bug("comm-hook-not-a-trajectory-flag", "a snapshot resumes only with the --comm-hook it was made with",
+        ["tests/test_comm_hooks.py::test_resuming_with_another_hook_is_one_line_per_rank"],
+        ("common/checkpoint.py", '"precision", "comm_hook")', '"precision")')),
+
     # --- Nothing lost ---
     bug("snapshot-without-optimizer-state", "nothing lost: a resumed run ends with the uninterrupted run's weights",
         ["tests/test_faults.py::test_single_gpu_killed_mid_epoch_resumes_to_the_same_weights"],

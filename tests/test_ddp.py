@@ -209,9 +209,11 @@ def test_no_hand_built_store_on_the_default_path():
 # they use: DataParallel's replica dtype (about 25 lines); tensor parallel's flag checks, the 2-D notices it hides
 # and its mesh's groups, made with --timeout (about 35); a pipeline stage's own epoch and evaluation, its loss, padding, timetable, weights gather and flag
 # checks (about 160, the stage's step: one schedule.step() with the images on the first stage, the labels on the last).
-DIFF_BUDGETS = {("single_gpu.py", "dataparallel.py"): 50, ("single_gpu.py", "ddp_launch.py"): 70,
+# The DDP chapters' --comm-hook (its flag, import, one bucket for PowerSGD, registration and state passed to the
+# snapshot) is DDP's lesson and not FSDP2's: 9 more lines against chapter 1, 4 against fsdp.py, none between them.
+DIFF_BUDGETS = {("single_gpu.py", "dataparallel.py"): 50, ("single_gpu.py", "ddp_launch.py"): 79,
                 ("ddp_launch.py", "ddp_mp.py"): 45, ("ddp_launch.py", "ddp_tcp_manual.py"): 45,
-                ("ddp_launch.py", "ddp_slurm.py"): 45, ("ddp_launch.py", "fsdp.py"): 90,
+                ("ddp_launch.py", "ddp_slurm.py"): 45, ("ddp_launch.py", "fsdp.py"): 92,
                 ("fsdp.py", "tensor_parallel.py"): 165, ("ddp_launch.py", "pipeline.py"): 260}
 LESSON_CALLS = ("DistributedSampler(", "DataLoader(", "DDP(", "set_epoch(", "train_one_epoch(", "save_weights(",
                 "locate_fashion_mnist(", "barrier(", "StopAtTimeLimit", "time_limit")

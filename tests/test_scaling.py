@@ -88,13 +88,21 @@ def test_ddp_over_a_slow_link_trains_chapter_1s_model(two_machines, procs, real_
 FSDP_ROW = pytest.param("fsdp", marks=pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
                                                          reason="fsdp.py on the CPU needs torch.cpu.Stream.record_event"))
 ROWS = ["ddp", FSDP_ROW]
+EVERY_THREAD = "profile_all_threads" in torch._C._profiler._ExperimentalConfig.__init__.__doc__  # torch 2.8 on
+HOOKS = ["bf16", pytest.param("powersgd", marks=pytest.mark.skipif(  # DDP with --comm-hook: what they send
+    not EVERY_THREAD, reason="PowerSGD's all-reduces run on gloo's thread, which torch's profiler sees from 2.8"))]
 BYTES = {  # ring bytes per rank and step, by kind of collective, computed by hand
     "ddp": {"all_reduce": MODEL_BYTES},  # every gradient once; a ring sends 2(n-1)/n of it, at 2 ranks all of it
+    "bf16": {"all_reduce": MODEL_BYTES / 2},  # --comm-hook bf16: the same gradients in 2 bytes each
+    # --comm-hook powersgd (rank 1): the biases as they are (512 + 512 + 10 floats), and for each weight (n x m) its
+    # two factors, P (n x 1) and Q (m x 1): 512 + 512 + 10 and 784 + 512 + 512 floats, each all-reduced in turn.
+    "powersgd": {"all_reduce": (1034 + 1034 + 1808) * 4},
     "fsdp": {"all_gather": MODEL_BYTES / 2 * 2,  # the other rank's half of the weights, before forward and backward
              "all_reduce": MODEL_BYTES},  # gloo runs FSDP2's reduce-scatter as an all-reduce of every gradient
 }
 LINE = {"ddp": r"DDP \(chapter 3\) at 100 Mbit/s: communication [\d.]+x its floor \(.*\)$",
-        "fsdp": r"FSDP2 \(chapter 7\) at 100 Mbit/s: .*; by kind: all_gather [\d.]+x, all_reduce [\d.]+x$"}
+        "fsdp": r"FSDP2 \(chapter 7\) at 100 Mbit/s: .*; by kind: all_gather [\d.]+x \(rank 0 [\d.]+x, rank 1 "
+                r"[\d.]+x\), all_reduce [\d.]+x \(rank 0 [\d.]+x, rank 1 [\d.]+x\)$"}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +110,8 @@ def scaling(real_data, tmp_path_factory):
     """scripts/scaling.py's DDP and FSDP2 rows at 100 Mbit/s (DDP alone where fsdp.py cannot run): JSON and report."""
     need_namespaces()
     out = tmp_path_factory.mktemp("scaling") / "scaling.json"
-    rows = "single,ddp,fsdp" if hasattr(torch.cpu.Stream, "record_event") else "single,ddp"
+    rows = "single,ddp,bf16" + (",fsdp" if hasattr(torch.cpu.Stream, "record_event") else "") + (
+        ",powersgd" if EVERY_THREAD else "")
     proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", rows, "--rates", "100mbit",
                            "--data-dir", str(real_data), "--json", str(out)], cwd=REPO, env=BASE_ENV,
                           capture_output=True, text=True, timeout=600)
@@ -114,7 +123,7 @@ def scaling(real_data, tmp_path_factory):
     return {r["row"]: r for r in derive(measured)}, proc.stdout
 
 
-@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("row", [*ROWS, *HOOKS])
 def test_scaling_counts_the_bytes_each_strategy_sends(scaling, row):
     """Read from gloo's collectives in the run, in all and by kind (what says which of FSDP2's collectives missed
     the floor): the bytes each strategy must send, as BYTES computes them."""
