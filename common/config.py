@@ -101,7 +101,8 @@ class Config:
     dp: Optional[int] = flag(None, POSITIVE, "data-parallel groups; each group's ranks split every layer", 1,
                               "tensor_parallel.py")
     comm_hook: str = flag("none", _comm_hook, "DDP's communication hook: what each all-reduce sends: bf16/fp16 halve "
-                          "the bytes, powersgd[:R] a rank-R approximation (docs/scaling.md)", "none",
+                          "the bytes; powersgd[:R[:START]] all-reduces whole gradients for START steps (default 2), "
+                          "then a rank-R approximation (default 1) (docs/scaling.md)", "none",
                           "the DDP chapters (ddp_launch.py, ddp_mp.py, ddp_tcp_manual.py, ddp_slurm.py)")
 
     def describe(self):

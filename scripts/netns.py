@@ -126,6 +126,10 @@ class TwoMachines:
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate,
                       "burst", str(burst), "limit", str(QUEUE)])
 
+    def link(self, node, up):
+        """Take node's end of the link down (a pulled cable: both ends lose carrier) or bring it back up."""
+        _run(["ip", "-n", self.ns[node], "link", "set", IFNAME, "up" if up else "down"])
+
     def congestion_control(self, name=None):
         """TCP's congestion control on both nodes: set it to name first, if given; the name in use. A namespace takes
         only the algorithms the host allows (net.ipv4.tcp_allowed_congestion_control); it starts with the host's."""

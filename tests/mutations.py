@@ -139,6 +139,18 @@ MUTATIONS = [
         ["tests/test_comm_hooks.py::test_resuming_with_another_hook_is_one_line_per_rank"],
         ("common/checkpoint.py", '"precision", "comm_hook")', '"precision")')),
 
+    # --- A link that fails between two machines ---
+    bug("timeout-not-passed-to-the-group", "a link down for good: every rank ends within its --timeout",
+        ["tests/test_partition.py::test_a_link_down_for_good_ends_every_rank_within_the_timeout[ddp-torchrun]"],
+        ("ddp_launch.py", "world_size=world_size, timeout=timedelta(seconds=cfg.timeout),", "world_size=world_size,")),
+    bug("pair-closure-not-explained", "a link down for good: each rank's one line names the network",
+        ["tests/test_partition.py::test_a_link_down_for_good_ends_every_rank_within_the_timeout[ddp-tcp]"],
+        ("common/errors.py", 'r"Timed out waiting (\\d+)ms for (?:recv|send) operation|Application timeout caused pair closure"',
+         'r"(never)(matches)"')),
+    bug("snapshot-not-read-on-restart", "an elastic job resumes from its snapshot once the link is back",
+        ["tests/test_partition.py::test_an_elastic_job_resumes_once_the_link_is_back"],
+        ("common/checkpoint.py", "    if not path.exists():\n        return 0\n", "    return 0\n")),
+
     # --- Nothing lost ---
     bug("snapshot-without-optimizer-state", "nothing lost: a resumed run ends with the uninterrupted run's weights",
         ["tests/test_faults.py::test_single_gpu_killed_mid_epoch_resumes_to_the_same_weights"],

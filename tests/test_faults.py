@@ -33,7 +33,7 @@ class Watched:
     """A process whose stdout is read line by line in the background, so a test can act on a given line."""
 
     def __init__(self, procs, cmd, **kw):
-        self.proc = procs.start(cmd, **kw)
+        self.procs, self.proc = procs, procs.start(cmd, **kw)
         self.lines = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
         self._reader.start()
@@ -58,7 +58,9 @@ class Watched:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            # torchrun's workers run in sessions of their own: killing its group alone would leave them holding
+            # stdout, and the test waiting on it for good.
+            self.procs.kill(self.proc)
             pytest.fail(f"still running after {timeout}s:\n{''.join(self.lines)}")
         self._reader.join()
         err = self.proc.stderr.read()
