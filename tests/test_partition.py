@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from conftest import load_state, max_abs_diff, run_script
+from conftest import load_state, max_abs_diff
 from scripts.netns import NODES
 from test_ddp import SAME_MODEL
-from test_faults import Watched, args_for
+from test_faults import Watched, args_for, uninterrupted  # noqa: F401  (chapter 1 on the LONG run)
 from test_multinode import NODE_ENV, tcp_nodes, torchrun_nodes, two_machines  # noqa: F401
 
 A, B = NODES
@@ -22,15 +22,6 @@ HOW = {  # chapter 3 under static torchrun, chapter 5 by hand, chapter 7 under s
     "fsdp-torchrun": lambda args: {node: [x if x != "ddp_launch.py" else "fsdp.py" for x in cmd]
                                    for node, cmd in torchrun_nodes("static", args).items()},
 }
-
-
-@pytest.fixture(scope="module")
-def long_reference(real_data, tmp_path_factory):
-    """Chapter 1 on test_faults' LONG run: the weights every run here must end with."""
-    out = tmp_path_factory.mktemp("long-reference")
-    proc = run_script("single_gpu.py", *args_for(real_data, out))
-    assert proc.returncode == 0, proc.stderr
-    return load_state(out / "model.pth")
 
 
 def start_and_cut(net, procs, commands, env=NODE_ENV):
@@ -56,7 +47,7 @@ def test_a_link_down_for_good_ends_every_rank_within_the_timeout(how, two_machin
         assert "Done!" not in out
 
 
-def test_a_short_outage_is_ridden_out(two_machines, procs, real_data, long_reference, tmp_path):
+def test_a_short_outage_is_ridden_out(two_machines, procs, real_data, uninterrupted, tmp_path):
     """The link down for 5 s, less than --timeout: TCP resends what was lost, and the job ends with chapter 1's model.
     (At the default --timeout 120, a 60 s outage was ridden out too: docs/troubleshooting.md.)"""
     args = args_for(real_data, tmp_path / "run", "--timeout", 30)
@@ -65,10 +56,10 @@ def test_a_short_outage_is_ridden_out(two_machines, procs, real_data, long_refer
     two_machines.link(B, up=True)
     results = [watched.finish(timeout=120) for watched in nodes.values()]
     assert [code for code, _, _ in results] == [0, 0], results
-    assert max_abs_diff(long_reference, load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
+    assert max_abs_diff(uninterrupted, load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
 
 
-def test_an_elastic_job_resumes_once_the_link_is_back(two_machines, procs, real_data, long_reference, tmp_path):
+def test_an_elastic_job_resumes_once_the_link_is_back(two_machines, procs, real_data, uninterrupted, tmp_path):
     """c10d rendezvous, --max-restarts, --snapshot: the link down for 30 s. The workers give up at --timeout (20 s),
     both torchruns restart them, the new rendezvous waits for the link, and the job resumes from epoch 1's snapshot
     and ends with chapter 1's model. Measured: done 63 s after the link went down."""
@@ -83,4 +74,4 @@ def test_an_elastic_job_resumes_once_the_link_is_back(two_machines, procs, real_
     assert all(LOST in err for err in (err_a, err_b)), err_a + err_b  # the first attempt ended at the timeout
     assert f"Resuming from {snap}: 1 of 3 epochs done, continuing with epoch 2" in out_a
     assert len(re.findall(r"^\[rank 1\] host=nodeb ", out_b, re.M)) == 2  # nodeb's worker ran twice
-    assert max_abs_diff(long_reference, load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
+    assert max_abs_diff(uninterrupted, load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
