@@ -6,7 +6,7 @@ entry below breaks one promise of docs/tests.md the way a real mistake would (dr
 fresh copy of the project (your working tree is never touched), runs the named tests there, and reports CAUGHT,
 with the tests that failed, or MISSED.
 
-    python tests/mutations.py                      # every planted bug (make mutations; about 14 minutes on 2 cores)
+    python tests/mutations.py                      # every planted bug (make mutations; about 30 minutes on 2 cores)
     python tests/mutations.py --list               # names, what each one breaks, and its tests
     python tests/mutations.py no-set-epoch accum-one-over-k    # some of them
     python tests/mutations.py --baseline no-set-epoch          # also run the tests unpatched: they must pass
