@@ -110,7 +110,8 @@ class Config:
         shown = {k: v for k, v in asdict(self).items() if k not in CHAPTER_FLAGS or v is not None}
         if self.snapshot is None:  # no snapshots: their settings change nothing
             del shown["snapshot"], shown["save_every"]
-        for name in ("momentum", "accum_steps", "precision", "compile", "comm_hook"):  # shown when used (else the quickstart's)
+        # Shown when used (else the quickstart's).
+        for name in ("momentum", "accum_steps", "precision", "compile", "comm_hook"):
             if shown[name] == getattr(Config, name):
                 del shown[name]
         return "Config: " + " ".join(f"{k}={v}" for k, v in shown.items())
