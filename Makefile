@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh Debian/Ubuntu machine:
 #   make run    set up (venv, requirements, offline FashionMNIST) and train single_gpu.py
 #   make test   set up and check it works: every chapter through its launcher, and the fast tests (minutes)
-#   make test-all    the whole proof: every test, SLURM and two machines included (what CI runs)
+#   make test-all    the whole proof: every test, SLURM and two machines included, then make test's set on the
+#                    oldest torch requirements.txt allows (make test-floor; what CI runs)
 #   make mutations   plant each known bug in a copy of the project and check its tests turn red (tests/mutations.py)
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 DATA_PKG := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup data tools run test test-all mutations clean
+.PHONY: setup data tools run test test-all test-floor mutations clean
 
 setup: $(VENV)/.installed data
 
@@ -46,6 +47,21 @@ test: setup tools
 
 test-all: setup tools
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(MAKE) test-floor
+
+# The floor of requirements.txt's range (torch>=2.6 and torchvision>=0.21 become torch==2.6.* and torchvision==0.21.*)
+# in a venv of its own: `make test`'s quick set must pass there too, each chapter training or refusing in one line.
+FLOOR_VENV ?= .venv-floor
+FLOOR := $(shell sed -n 's/^\(torch\|torchvision\)>=\([0-9.]*\).*/"\1==\2.*"/p' requirements.txt)
+
+$(FLOOR_VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR) -r requirements-dev.txt
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed data tools
+	$(FLOOR_VENV)/bin/python -c 'import torch, torchvision; print("the floor: torch", torch.__version__, "torchvision", torchvision.__version__)'
+	$(FLOOR_VENV)/bin/python -m pytest -q -m quick -n 2 --dist loadgroup
 
 mutations: setup tools
 	$(PY) tests/mutations.py

@@ -19,10 +19,11 @@ other flag, on the full data and any number of ranks:
                   unless --test-samples says otherwise): a rank whose shard lacks the top class counts fewer classes.
 
 The tools (they work the same on any DDP job):
-  - the flight recorder (on here): TORCH_FR_BUFFER_SIZE=2000 makes every rank keep its last 2000 collectives (gloo
-    too, on torch 2.14); each rank writes them to OUTPUT/flight_recorder/rank_N as it leaves, and a failing rank
-    compares them: which collective had no partner, or the first one the ranks ran differently. On NCCL a timed-out
-    rank is ended by the watchdog, not Python: NCCL's own dump (TORCH_NCCL_DUMP_ON_TIMEOUT) writes the records to
+  - the flight recorder: every rank keeps its last 2000 collectives (TORCH_FR_BUFFER_SIZE; torch 2.11 and later by
+    default, gloo's too; set here for older ones); each rank writes them to OUTPUT/flight_recorder/rank_N as it
+    leaves, and a failing rank compares them: which collective had no partner, or the first one the ranks ran
+    differently. On NCCL a timed-out rank is ended by the watchdog, not Python: NCCL's own dump
+    (TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_FR_DUMP_TEMP_FILE) writes the records to
     OUTPUT/flight_recorder/nccl_trace_rank_N, and torch's `torchfrtrace` compares them.
   - stacks: a rank that makes no step for --timeout / 2 seconds writes the stacks of all its threads, taken while it
     waits, to OUTPUT/stacks/rank_N.txt: `py-spy dump` where py-spy is installed, else Python's faulthandler.
@@ -32,7 +33,9 @@ The tools (they work the same on any DDP job):
   - faulthandler: when gloo aborts the process on a collective whose sizes differ ("Is there a distributed
     collective mismatch in your code?"), the dying rank still prints every thread's Python stack, and so does
     each rank torchrun then stops with SIGTERM.
-Every collective has --timeout, so a broken run ends (non-zero) within --timeout plus a few seconds, never hangs.
+Every collective has --timeout, so a broken run ends (non-zero), never hangs: on gloo within --timeout plus a few
+seconds; on NCCL the watchdog first waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC for the records to be written (60 s
+at torch 2.14's default), then ends the process.
 """
 import argparse
 import faulthandler
@@ -54,6 +57,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from common.checkpoint import prepare_output, save_weights
@@ -282,6 +286,11 @@ class HangWatch:
         self.stopped.set()
 
 
+# The flight recorder's buffer size and dump file: torch 2.8 renamed them (the old names still work, with a warning).
+FLIGHT_RECORDER_VARIABLES = (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if TorchVersion(torch.__version__) >=
+                             (2, 8) else ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+
+
 def write_flight_record(folder, rank):
     """This rank's flight recorder (its last TORCH_FR_BUFFER_SIZE collectives), the pickle torch dumps, to FOLDER/rank_N.
 
@@ -350,6 +359,9 @@ def parse_args():
 @record
 def main():
     cfg, bug, fix = parse_args()
+    if cfg.accum_steps != 1 or cfg.precision != "fp32" or cfg.compile or cfg.snapshot:  # each case: one collective
+        raise UsageError("debug_hang.py's cases train in fp32, eagerly, one batch per step, without snapshots: leave "
+                         "out --accum-steps, --precision, --compile and --snapshot")
     faulthandler.enable()  # a crash below Python (gloo's abort, a segfault) still prints each thread's stack
     # torchrun stops the other workers with SIGTERM when one fails: each prints where it was before it goes.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
@@ -361,23 +373,26 @@ def main():
     world_size = int(os.environ["WORLD_SIZE"])
     name_rank_in_errors(rank, world_size)
     check_global_batch(cfg.batch_size, world_size)
-    if cfg.accum_steps != 1 or cfg.precision != "fp32" or cfg.compile:  # each case is about one collective
-        raise UsageError("debug_hang.py's cases train in fp32, eagerly, one batch per step: leave out --accum-steps, "
-                         "--precision and --compile")
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cpu" and not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):  # gloo's recorder: 2.8+
+        raise UsageError(f"debug_hang.py on the CPU needs torch 2.8 or later, whose flight recorder also records gloo's "
+                         f"collectives (this is torch {torch.__version__}): upgrade torch, or run it on GPUs")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     output = prepare_output(cfg.output)
     records, stacks = output / "flight_recorder", output / "stacks" / f"rank_{rank}.txt"
-    # The flight recorder: every process group made from here on keeps its last 2000 collectives, gloo's too.
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    # The flight recorder: every process group made from here on keeps its last 2000 collectives, gloo's too (torch
+    # 2.11 and later keep 2000 unless told otherwise; 2.6-2.10 keep none). Its variables were renamed in torch 2.8.
+    buffer_size, dump_file = FLIGHT_RECORDER_VARIABLES
+    os.environ.setdefault(buffer_size, "2000")
     if device.type == "cuda":
         # NCCL: a collective that overruns --timeout ends the process from the watchdog thread (SIGABRT), where no
-        # Python runs, so no rank could write or compare its record below. The watchdog writes it itself first:
-        # FOLDER/nccl_trace_rank_N, which `torchfrtrace FOLDER --prefix nccl_trace_rank_` compares.
+        # Python runs, so no rank could write or compare its record below. The watchdog writes it itself first (on
+        # by default from torch 2.11 on): FOLDER/nccl_trace_rank_N, which `torchfrtrace FOLDER --prefix
+        # nccl_trace_rank_` compares.
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(records / "nccl_trace_rank_"))
+        os.environ.setdefault(dump_file, str(records / "nccl_trace_rank_"))
         records.mkdir(parents=True, exist_ok=True)
         print0(ctx, f"On NCCL the watchdog writes each rank's flight record to {records}/nccl_trace_rank_N when a "
                     f"collective times out; compare them with `torchfrtrace {records} --prefix nccl_trace_rank_`")

@@ -283,8 +283,8 @@ def pipelining_missing():
     """Why this torch cannot run pipeline.py (one line), or None: its schedules need scale_grads= and eval()."""
     if "scale_grads" in inspect.signature(ScheduleGPipe).parameters and hasattr(ScheduleGPipe, "eval"):
         return None
-    return (f"pipeline.py needs a torch whose pipeline schedules take scale_grads= and have eval() (2.14.1 has both); "
-            f"this is torch {torch.__version__}: upgrade torch")
+    return (f"pipeline.py needs torch 2.9 or later, whose pipeline schedules take scale_grads= and have eval(); this "
+            f"is torch {torch.__version__}: upgrade torch")
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def load_hook_state(hook, saved, ctx, where):
     device = lambda tensors: {bucket: t.to(ctx.device) for bucket, t in tensors.items()}  # noqa: E731
     state.iter = mine["iter"]
     state.error_dict, state.p_memory_dict, state.q_memory_dict = (device(mine[k]) for k in ("error", "p", "q"))
-    keys, pos, has_gauss, gauss = mine["rng"]
-    state.rng.set_state(("MT19937", keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    keys, pos, has_gauss, gauss = mine["rng"]  # the keys: a tensor where the load put it (a GPU's has no .numpy())
+    state.rng.set_state(("MT19937", keys.cpu().numpy().astype("uint32"), pos, has_gauss, gauss))
     hook.layouts.update({b: ([tuple(x) for x in errors], [tuple(x) for x in factors])
                          for b, (errors, factors) in mine["layouts"].items()})

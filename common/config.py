@@ -178,6 +178,10 @@ def parse_config(argv=None, description=None, chapter_flags=()):
     parser = build_parser(description, chapter_flags)
     cfg = Config(**vars(parser.parse_args(argv)))
     check_device(parser, cfg.device)
+    if cfg.comm_hook.startswith("powersgd") and cfg.device == "cpu" and torch.cuda.is_available():  # torch's bug:
+        parser.error("--comm-hook powersgd cannot train with --device cpu where a GPU is visible: torch's PowerSGD "
+                     "hook then calls torch.cuda.synchronize() on the CPU's gradients and fails at its first "
+                     "compressed step; train on the GPUs, or hide them to train on the CPU (CUDA_VISIBLE_DEVICES=)")
     if cfg.rank is not None and cfg.world_size is not None and cfg.rank >= cfg.world_size:
         parser.error(f"--rank {cfg.rank} must be below --world-size {cfg.world_size} (ranks count from 0)")
     if cfg.init_method is not None and not _valid_init_method(cfg.init_method):
@@ -205,6 +209,6 @@ def check_fsdp2(cfg, script, sharded_over, uses_fsdp2=True):
                          f"rank must run every test batch (forward() gathers the weights); use at least {sharded_over}")
     on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
     if uses_fsdp2 and on_cpu and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
-        raise UsageError(f"{script} on the CPU needs a torch whose FSDP2 runs on CPU streams (torch.cpu.Stream."
-                         f"record_event; 2.14.1 has it, 2.6.0 does not); this is torch {torch.__version__}: upgrade "
+        raise UsageError(f"{script} on the CPU needs torch 2.7 or later, whose CPU streams FSDP2 can time its "
+                         f"gathers with (torch.cpu.Stream.record_event); this is torch {torch.__version__}: upgrade "
                          f"torch, or run {script} on GPUs")

@@ -2,9 +2,12 @@
 
 What each hook sends on the wire is counted by tests/test_scaling.py (the bytes per step on the shaped link).
 """
+import subprocess
+import sys
+
 import pytest
 
-from conftest import load_state, max_abs_diff, run_forked_cases
+from conftest import BASE_ENV, REPO, load_state, max_abs_diff, run_forked_cases, slice_args
 from test_ddp import _accuracy_lines, launch
 
 RESUMED = 1e-6  # a resumed run against the uninterrupted one: the same steps in the same order (measured 7.5e-9)
@@ -79,3 +82,87 @@ def test_a_hook_that_cannot_work_is_one_line(case, refused_runs):
     proc = refused_runs[case]
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert REFUSED[case][1] in proc.stderr, proc.stderr
+
+
+# A PowerSGD state made by DDP's real hook at world size 1 (3 steps: 2 plain, then a compressed one), written into a
+# snapshot file by all_gather_hook_state, read back by read_snapshot, and loaded into a new hook with every tensor
+# behaving as the tensors a load onto a GPU gives (map_location=cuda:N): their values cannot become a numpy array.
+DEVICE_LOAD = """
+import sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from common.checkpoint import SNAPSHOT_FORMAT, atomic_save, read_snapshot
+from common.comm_hooks import all_gather_hook_state, load_hook_state, register_comm_hook
+from common.config import Config
+from common.model import NeuralNetwork
+from common.ranks import DistContext
+
+class OnTheGpu(torch.Tensor):
+    # What a CUDA tensor refuses: .numpy() (TypeError); .cpu() gives a plain host tensor, as on a GPU.
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+                        "host memory first.")
+    def cpu(self, *args, **kwargs):
+        return torch.Tensor.cpu(self.as_subclass(torch.Tensor), *args, **kwargs)
+
+def on_the_gpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.as_subclass(OnTheGpu)
+    if isinstance(x, dict):
+        return {k: on_the_gpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(on_the_gpu(v) for v in x)
+    return x
+
+def trained_hook():
+    torch.manual_seed(0)
+    model = DDP(NeuralNetwork(), bucket_cap_mb=25)
+    hook = register_comm_hook(model, Config(comm_hook="powersgd"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.rand(8, 1, 28, 28)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, hook
+
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}.rdzv", rank=0, world_size=1)
+ctx = DistContext()
+_, saved = trained_hook()
+atomic_save(dict(format=SNAPSHOT_FORMAT, comm_hook=all_gather_hook_state(saved, ctx)), sys.argv[1])
+snapshot = read_snapshot(sys.argv[1], SNAPSHOT_FORMAT)
+_, loaded = trained_hook()
+load_hook_state(loaded, on_the_gpu(snapshot["comm_hook"]), ctx, sys.argv[1])
+same = [loaded.state.iter == saved.state.iter, loaded.state.rng.get_state()[1].tolist() ==
+        saved.state.rng.get_state()[1].tolist()] + [torch.equal(mine[0], theirs[0]) for mine, theirs in (
+        (list(loaded.state.error_dict.values()), list(saved.state.error_dict.values())),
+        (list(loaded.state.q_memory_dict.values()), list(saved.state.q_memory_dict.values())))]
+print("resumed:", all(same), same, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_powersgd_snapshot_loads_onto_a_gpu(tmp_path):
+    """On a GPU a snapshot loads straight onto the rank's device, numpy's random-state keys too: the hook's state must
+    come back whole from tensors that cannot become numpy arrays (on a GPU every rank stopped with a TypeError)."""
+    proc = subprocess.run([sys.executable, "-c", DEVICE_LOAD, str(tmp_path / "snap.pt")], cwd=REPO, env=dict(
+        BASE_ENV, PYTHONPATH=f"{REPO}:{BASE_ENV['PYTHONPATH']}"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed: True" in proc.stdout, proc.stdout
+
+
+# A machine with a GPU, as far as torch.cuda.is_available() and device_count() tell: the check a chapter makes.
+A_GPU_IS_VISIBLE = "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n"
+
+
+def test_powersgd_on_the_cpu_where_a_gpu_is_visible_is_one_line(real_data, tmp_path):
+    """torch's PowerSGD hook calls torch.cuda.synchronize(device) whenever CUDA is available, with the gradients'
+    device: for --device cpu on a GPU machine that is the CPU, and every rank dies at the first compressed step
+    (ValueError: Expected a cuda device, but got: cpu). The chapters refuse it before any rendezvous."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(A_GPU_IS_VISIBLE)
+    proc = subprocess.run([sys.executable, "ddp_mp.py", "--nprocs", "2", "--device", "cpu", "--comm-hook", "powersgd",
+                           *slice_args(real_data, tmp_path / "run")], cwd=REPO, env=dict(BASE_ENV, PYTHONPATH=str(shim)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--comm-hook powersgd cannot train with --device cpu where a GPU is visible" in proc.stderr
+    assert "CUDA_VISIBLE_DEVICES=" in proc.stderr

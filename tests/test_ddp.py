@@ -10,7 +10,8 @@ import pytest
 
 from common.metrics import read_metrics
 from common.launch import free_port
-from conftest import BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line, slice_args
+from conftest import (BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line, run_script,
+                      slice_args, torchrun_script)
 
 DDP_CHAPTERS = ["ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py"]
 # Chapter 1 and the DDP chapters at 1 thread per process differ only in how the gradients are summed (one
@@ -72,6 +73,36 @@ def test_ddp_trains_the_same_model(kind, world, real_data, reference, tmp_path, 
     assert "Traceback" not in err and "terminate called" not in err
     if kind == "file":
         assert not (tmp_path / "run.rdzv").exists(), "the rendezvous file is removed at the end"
+
+
+SEED = 7  # any seed but the default: a chapter whose sampler or weights ignored --seed would still pass at 0
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(real_data, tmp_path_factory):
+    """Chapter 1 at --seed 7: (state_dict, stdout)."""
+    out = tmp_path_factory.mktemp("single-seed")
+    proc = run_script("single_gpu.py", *slice_args(real_data, out), "--seed", SEED)
+    assert proc.returncode == 0, proc.stderr
+    return load_state(out / "model.pth"), proc.stdout
+
+
+SEEDED = ["torchrun", "mp", "tcp", "srun-env", "fsdp.py", "tensor_parallel.py", "pipeline.py"]
+
+
+@pytest.mark.parametrize("kind", SEEDED)
+def test_another_seed_trains_chapter_1s_model_at_that_seed(kind, real_data, seeded_reference, tmp_path, procs):
+    """Every launcher (and the torchrun chapters with their own samplers) at --seed 7: chapter 1's model at seed 7, so
+    both the initial weights and every epoch's shuffle come from --seed (at 0 a chapter that ignored it would pass)."""
+    if kind.endswith(".py"):
+        code, out, err = torchrun_script(kind, 2, [*slice_args(real_data, tmp_path / "run"), "--seed", SEED], procs)
+        codes = [code]
+    else:
+        codes, out, err = launch(kind, 2, real_data, tmp_path / "run", procs, extra=["--seed", str(SEED)])
+    assert set(codes) == {0}, err
+    state, log = seeded_reference
+    assert max_abs_diff(state, load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
+    assert _accuracy_lines(out) == _accuracy_lines(log) and f"seed={SEED}" in out
 
 
 def test_two_torchrun_nodes_on_one_machine(real_data, reference, tmp_path, procs):

@@ -10,6 +10,10 @@ import torch
 from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, run_script, slice_args
 from test_ddp import SAME_MODEL
 from test_faults import Watched
+from test_torch_range import GLOO_FLIGHT_RECORDER
+
+pytestmark = pytest.mark.skipif(not GLOO_FLIGHT_RECORDER,
+                                reason="debug_hang.py refuses on this torch's CPU (tests/test_torch_range.py)")
 
 TIMEOUT = 5  # --timeout: how long a rank waits for its peers in any collective
 # From the first "Epoch" line to the exit: the wait (--timeout at most), 5 s for the ranks to compare flight

@@ -9,6 +9,9 @@ from common.metrics import read_metrics
 from conftest import (REPO, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, run_script,
                       slice_args, torchrun_script)
 from test_faults import TORCHRUN_ENV
+from test_torch_range import FSDP2_ON_CPU
+
+pytestmark = pytest.mark.skipif(not FSDP2_ON_CPU, reason="fsdp.py refuses on this torch's CPU (tests/test_torch_range.py)")
 
 # Measured on torch 2.14.1, 1 thread per rank, SLICE's 40 steps: 0 at 1 rank, 3.7e-9 at 2 and 3 ranks (the
 # reduce-scatter averages 2-3 shards' gradients where chapter 1 has one batch): the DDP chapters' bound holds.

@@ -90,6 +90,9 @@ CANNOT_WORK = [
     (["single_gpu.py", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
     (["single_gpu.py", "--accum-steps", "0"], "argument --accum-steps: must be a positive integer, got 0"),
     (["single_gpu.py", "--momentum", "1"], "argument --momentum: must be at least 0 and below 1, got 1"),
+    *((["debug_hang.py", "--bug", "early-stop", *flags], "debug_hang.py's cases train in fp32, eagerly, one batch per "
+       "step, without snapshots") for flags in (["--accum-steps", "2"], ["--precision", "bf16"], ["--compile"],
+                                                ["--snapshot", "snap.pt"])),
 ]
 
 
@@ -100,7 +103,8 @@ def cannot_work_runs(request):
 
 
 @pytest.mark.parametrize("case", range(len(CANNOT_WORK)),
-                         ids=["batch-over-K", "batch-over-world-x-K", "fp16-in-fsdp", "fp8", "K0", "momentum-1"])
+                         ids=["batch-over-K", "batch-over-world-x-K", "fp16-in-fsdp", "fp8", "K0", "momentum-1",
+                              "ch8-accum", "ch8-bf16", "ch8-compile", "ch8-snapshot"])
 def test_flags_that_cannot_work_are_one_line(case, cannot_work_runs):
     needle, proc = CANNOT_WORK[case][1], cannot_work_runs[case]
     assert proc.returncode == 2, proc.stderr
