@@ -11,11 +11,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
-from common.config import parse_config
+from common.cli import parse_config, run_main
 from common.data import ShardSampler, load_fashion_mnist
-from common.engine import evaluate, train_one_epoch
-from common.errors import run_main
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
 from common.ranks import DistContext, choose_device, print0
 

@@ -15,20 +15,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
-from common.comm_hooks import ONE_BUCKET_MB, register_comm_hook
-from common.config import parse_config
+from common.cli import parse_config, run_main
+from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
-from common.engine import evaluate, train_one_epoch
-from common.errors import name_rank_in_errors, run_main
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.launch import check_global_batch, check_torchrun_worker
-from common.ranks import DistContext, all_gather_flags, print0, rank_device
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker, name_rank_in_errors,
+                          print0, rank_device)
 
 
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("comm_hook",))
+    cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK)
     check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
     # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])

@@ -15,28 +15,30 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
-from common.comm_hooks import ONE_BUCKET_MB, register_comm_hook
-from common.config import parse_config
+from common.cli import POSITIVE, flag, parse_config, run_main, spawned
+from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
-from common.engine import evaluate, train_one_epoch
-from common.errors import name_rank_in_errors, one_line_errors, run_main
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.launch import check_global_batch, default_nprocs, free_port
-from common.ranks import DistContext, all_gather_flags, print0, rank_device
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, default_nprocs, free_port,
+                          name_rank_in_errors, print0, rank_device)
 
 
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("nprocs", "comm_hook"))
+    cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK,
+                       nprocs=flag(None, POSITIVE, "processes to spawn (default one per visible GPU, or 2 on a CPU)"))
     world_size = cfg.nprocs or default_nprocs(cfg.device)  # one process per visible GPU, or 2 on the CPU
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     rank_device(cfg.device, 0, world_size)  # more processes than GPUs: one line now, before any starts
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the workers reach rank 0: all run on this machine
     os.environ.setdefault("MASTER_PORT", str(free_port()))  # a port that is free now, not a fixed 12355
-    mp.spawn(worker, args=(cfg, world_size), nprocs=world_size)  # worker(i, cfg, world_size) for i in 0..nprocs-1
+    try:
+        mp.spawn(worker, args=(cfg, world_size), nprocs=world_size)  # worker(i, cfg, world_size) for i in 0..nprocs-1
+    except mp.ProcessExitedException as e:  # a worker failed (and said why, unless killed); spawn stopped the others
+        raise SystemExit(e.exit_code if e.exit_code > 0 else f"error: rank {e.error_index} was killed by {e.signal_name}")
 
 
-@one_line_errors  # a failing worker prints one line and exits non-zero; mp.spawn then stops the others
+@spawned  # a failing worker prints its error and exits non-zero; mp.spawn then stops the others
 def worker(rank, cfg, world_size):
     # Step 1, who am I: mp.spawn passes each worker its index first: its rank, and its local rank (one machine).
     local_rank = rank

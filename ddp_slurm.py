@@ -7,6 +7,7 @@ The ranks meet on the job's first node, on a port from the job id (MASTER_ADDR /
 every task computes the same tcp:// address without talking to the others. Time limits and requeue: docs/slurm.md.
 """
 import os
+import subprocess
 from datetime import timedelta
 
 import torch
@@ -15,21 +16,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
-from common.comm_hooks import ONE_BUCKET_MB, register_comm_hook
-from common.config import parse_config
+from common.cli import FatalError, UsageError, parse_config, run_main
+from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
-from common.engine import evaluate, train_one_epoch
-from common.errors import name_rank_in_errors, run_main
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.launch import check_global_batch, check_rendezvous
-from common.ranks import DistContext, all_gather_flags, print0, rank_device
-from common.slurm import check_srun_task, slurm_master
+from common.ranks import DistContext, all_gather_flags, check_global_batch, name_rank_in_errors, print0, rank_device
 
 
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("comm_hook",))
-    check_srun_task()  # one clear line when this is not a task that srun started
+    cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK)
+    if not os.environ.get("SLURM_STEP_ID"):  # set in the tasks of an srun step only, not in the batch script itself
+        raise UsageError("this is not a task of an srun step (SLURM_STEP_ID is not set): submit it with `sbatch "
+                         "scripts/job.sh`, or run `srun python ddp_slurm.py` inside an allocation")
     # Step 1, who am I: srun sets SLURM_PROCID (global rank), SLURM_LOCALID (picks the GPU), SLURM_NTASKS.
     rank = int(os.environ["SLURM_PROCID"])
     local_rank = int(os.environ["SLURM_LOCALID"])
@@ -41,10 +40,11 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # Step 3, init: every task computes the same address by itself: the job's first node, a port from the job id.
-    master_addr, master_port = slurm_master()
+    # Step 3, init: every task computes the same address by itself: the job's first node, and a port from the job id
+    # (two jobs that share a node get two); MASTER_ADDR and MASTER_PORT override them.
+    master_addr = os.environ.get("MASTER_ADDR") or first_node(os.environ["SLURM_JOB_NODELIST"])
+    master_port = os.environ.get("MASTER_PORT") or 20000 + int(os.environ["SLURM_JOB_ID"]) % 10000
     init_method = f"tcp://{master_addr}:{master_port}"
-    check_rendezvous(init_method, rank, cfg.timeout)  # no rank 0 after --timeout: one line
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
                             device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
@@ -103,6 +103,20 @@ def train(cfg, ctx):
     if ctx.is_main:
         save_weights(model.module, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+def first_node(nodes):
+    """The first host of the job's host list ("gpu[01-03,07]" -> "gpu01") as SLURM itself expands it: `scontrol show
+    hostnames`, which every SLURM node has (the line most batch scripts find MASTER_ADDR with)."""
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise FatalError(f"cannot run `scontrol show hostnames` to find the job's first node ({e}); run inside a "
+                         f"SLURM job, or set MASTER_ADDR to rank 0's address") from None
+    if hosts.returncode or not hosts.stdout.split():
+        raise FatalError(f"`scontrol show hostnames {nodes}` failed ({hosts.stderr.strip() or 'no host'}); set "
+                         f"MASTER_ADDR to rank 0's address")
+    return hosts.stdout.split()[0]
 
 
 if __name__ == "__main__":

@@ -20,22 +20,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
-from common.comm_hooks import ONE_BUCKET_MB, register_comm_hook
-from common.config import parse_config
+from common.cli import NON_NEGATIVE, POSITIVE, REQUIRED, UsageError, flag, parse_config, run_main
+from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
-from common.engine import evaluate, train_one_epoch
-from common.errors import name_rank_in_errors, run_main
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.launch import check_global_batch, check_rendezvous
-from common.ranks import DistContext, all_gather_flags, print0, rank_device
+from common.ranks import (DistContext, all_gather_flags, check_file_rendezvous, check_global_batch, name_rank_in_errors,
+                          print0, rank_device, rendezvous_url)
 
 
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("init_method", "rank", "world_size", "local_rank",
-                                                                    "comm_hook"))
+    cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK,
+                       init_method=flag(REQUIRED, rendezvous_url, "tcp://HOST:PORT (rank 0's address) or file:///path"),
+                       rank=flag(REQUIRED, NON_NEGATIVE, "this process's global rank, 0 .. world size - 1"),
+                       world_size=flag(REQUIRED, POSITIVE, "total number of processes over all machines"),
+                       local_rank=flag(None, NON_NEGATIVE, "this process's index on its machine; picks cuda:N (default 0)"))
     # Step 1, who am I: nobody starts these processes for us, so the flags say who is who.
     rank, world_size = cfg.rank, cfg.world_size
+    if rank >= world_size:
+        raise UsageError(f"--rank {rank} must be below --world-size {world_size} (ranks count from 0)")
     local_rank = cfg.local_rank or 0  # ranks that share a machine each need their own: it picks the GPU
     name_rank_in_errors(rank, world_size)
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
@@ -45,8 +48,8 @@ def main():
         torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     # Step 3, init: rank 0 opens a store on tcp://'s port (or the ranks meet in the file://); each publishes its
-    # address there and waits up to --timeout for the rest. A leftover file://, or no rank 0: one line.
-    check_rendezvous(cfg.init_method, rank, cfg.timeout)
+    # address there and waits up to --timeout for the rest (no rank 0: one line).
+    check_file_rendezvous(cfg.init_method, cfg.timeout)  # a file:// left over by a crashed run: one line
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=cfg.init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
                             device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later

@@ -37,7 +37,6 @@ Every collective has --timeout, so a broken run ends (non-zero), never hangs: on
 seconds; on NCCL the watchdog first waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC for the records to be written (60 s
 at torch 2.14's default), then ends the process.
 """
-import argparse
 import faulthandler
 import itertools
 import os
@@ -61,14 +60,12 @@ from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from common.checkpoint import prepare_output, save_weights
-from common.config import build_parser, parse_config
+from common.cli import REQUIRED, UsageError, flag, parse_config, run_main
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
-from common.engine import evaluate, train_one_epoch
-from common.errors import UsageError, name_rank_in_errors, run_main
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.launch import check_global_batch
-from common.ranks import DistContext, all_gather_flags, all_reduce_sum, print0, rank_device
+from common.ranks import (DistContext, all_gather_flags, all_reduce_sum, check_global_batch, name_rank_in_errors,
+                          print0, rank_device)
 
 BUGS = ("eval-on-rank0", "early-stop", "uneven-batches", "shape-mismatch")
 CLASSES = 10
@@ -342,18 +339,11 @@ def describe_flight_records(folder, world_size, wait):
 
 def parse_args():
     """This chapter's flags (--bug, --fix) on top of the ones every chapter shares."""
-    mine = argparse.ArgumentParser(add_help=False)
-    mine.add_argument("--bug", choices=BUGS, required=True, help="which broken case to run")
-    mine.add_argument("--fix", action="store_true", help="run the same case with the bug fixed")
-    everything = build_parser(description=__doc__)
-    for action in mine._actions:
-        everything._add_action(action)
-    everything.parse_args()  # --help lists every flag; a bad or missing one is one line and exit 2
-    known, shared = mine.parse_known_args()
-    cfg = parse_config(shared, description=__doc__)
-    if known.bug == "shape-mismatch" and cfg.test_samples is None:
+    cfg = parse_config(description=__doc__, bug=flag(REQUIRED, BUGS, "which broken case to run"),
+                       fix=flag(False, bool, "run the same case with the bug fixed"))
+    if cfg.bug == "shape-mismatch" and cfg.test_samples is None:
         cfg.test_samples = SMALL_TEST_SET  # a small test set: a rank's shard need not hold every class
-    return cfg, known.bug, known.fix
+    return cfg, cfg.bug, cfg.fix
 
 
 @record

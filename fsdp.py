@@ -23,14 +23,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common.checkpoint import (StopAtTimeLimit, atomic_save, find_sharded_snapshot, finish_sharded_snapshot,
                                flat_optimizer_options, prepare_output, print_resumed, sharded_snapshot_due,
                                sharded_snapshot_errors)
-from common.config import check_fsdp2, parse_config
+from common.cli import check_fsdp2, parse_config, run_main
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
-from common.engine import evaluate, train_one_epoch
-from common.errors import name_rank_in_errors, run_main
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.launch import check_global_batch, check_torchrun_worker
-from common.ranks import DistContext, all_gather_flags, print0, print_parameter_bytes, rank_device
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker, name_rank_in_errors,
+                          print0, print_parameter_bytes, rank_device)
 
 
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary

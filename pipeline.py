@@ -21,14 +21,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
-from common.config import parse_config
+from common.cli import POSITIVE, UsageError, flag, parse_config, run_main
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
-from common.engine import autocast, print_epoch_line, print_loss_line, print_test_lines, synchronize
-from common.errors import UsageError, name_rank_in_errors, run_main
-from common.launch import check_torchrun_worker
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, autocast, print_epoch_line, print_loss_line, print_test_lines, synchronize
 from common.model import NeuralNetwork
-from common.ranks import DistContext, all_gather_flags, print0, print_parameter_bytes, rank_device
+from common.ranks import (DistContext, all_gather_flags, check_torchrun_worker, name_rank_in_errors, print0,
+                          print_parameter_bytes, rank_device)
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: each stage its layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -40,7 +38,9 @@ PADDING = -100  # the label of a padding row: cross_entropy's ignore_index, so i
 
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("schedule", "microbatches"))
+    cfg = parse_config(description=__doc__, schedule=flag("gpipe", tuple(SCHEDULES), "pipeline schedule: all forwards then "
+                                                          "all backwards, or one of each in turn"),
+                       microbatches=flag(4, POSITIVE, "micro-batches each global batch is cut into"))
     check_pipeline_flags(cfg)  # below: 1-3 stages; micro-batches that split the batch; no fp16
     check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
     # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.

@@ -23,20 +23,19 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
-from common.config import check_fsdp2, parse_config
+from common.cli import POSITIVE, UsageError, check_fsdp2, flag, parse_config, run_main
 from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
-from common.engine import evaluate, train_one_epoch
-from common.errors import UsageError, name_rank_in_errors, run_main
-from common.metrics import MetricsLog
+from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.launch import check_global_batch, check_torchrun_worker
-from common.ranks import DistContext, all_gather_flags, print0, print_parameter_bytes, rank_device
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker, name_rank_in_errors,
+                          print0, print_parameter_bytes, rank_device)
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: they take DTensors too
 
 
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("dp",))
+    cfg = parse_config(description=__doc__, dp=flag(1, POSITIVE, "data-parallel groups; each group's ranks split every "
+                                                              "layer"))
     check_tensor_parallel_flags(cfg)  # below: dp x tp ranks, tp divides 512; no fp16; FSDP2 runs here for --dp
     check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
     # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.

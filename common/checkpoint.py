@@ -1,9 +1,5 @@
 """Weights and snapshots on disk: written atomically by rank 0, loaded safely (weights_only=True), without `module.`.
-
-A snapshot holds whole epochs: each epoch's data order comes from seed + epoch, so the epochs done are all the data
-state there is. Chapter 7's sharded snapshots (chapters 9 and 10 take them too) are folders DIR/epoch-N that
-fsdp.py fills with its four torch.distributed.checkpoint calls; the folders, their flags file and errors are here.
-"""
+A snapshot holds whole epochs (each epoch's order comes from seed + epoch); chapter 7's sharded ones are folders."""
 import contextlib
 import io
 import os
@@ -16,9 +12,7 @@ from pathlib import Path
 
 import torch
 
-from common.comm_hooks import all_gather_hook_state, load_hook_state
-from common.config import flag_text
-from common.errors import FatalError
+from common.cli import FatalError, flag_text
 from common.ranks import all_reduce_sum, print0
 
 SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v2"
@@ -87,14 +81,14 @@ def on_rank0_then_all_reduce(write, ctx, what):
 
 def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=None):
     """With --snapshot, when due: rank 0 writes the snapshot file; every rank learns whether it could (all-reduce).
-    hook_state: PowerSGD's (--comm-hook), every rank's gathered into the file."""
+    hook_state: a DDP communication hook's (PowerSGD's), which gathers every rank's own part itself."""
     if not snapshot_due(epochs_done, cfg):
         return
-    hook = all_gather_hook_state(hook_state, ctx)
+    hook = hook_state.all_gather(ctx) if hook_state else None
 
     def write():
         atomic_save(dict(format=SNAPSHOT_FORMAT, epochs_done=epochs_done,
-                         config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS},
+                         config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS},
                          model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
                          optimizer=optimizer.state_dict(),
                          scaler=scaler.state_dict() if scaler else None,  # fp16's loss scale
@@ -118,11 +112,12 @@ def read_snapshot(path, kind, device="cpu"):
 def check_resumable(about, cfg, where):
     """A snapshot made with these trajectory flags and epochs done can continue this run; else one line saying why."""
     made_with = {"precision": "fp32", "momentum": 0.0, "comm_hook": "none", **about["config"]}
+    ours = {name: getattr(cfg, name, "none") for name in TRAJECTORY_FLAGS}  # a chapter without --comm-hook: none
     epochs_done = about["epochs_done"]
-    different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != getattr(cfg, name)]
+    different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != ours[name]]
     if different:
         theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
-        ours = " ".join(flag_text(n, getattr(cfg, n)) for n in different)
+        ours = " ".join(flag_text(n, ours[n]) for n in different)
         raise FatalError(f"snapshot {where} was made with {theirs}, this run has {ours}; resume with the "
                          f"snapshot's flags, or {FIX}")
     if epochs_done > cfg.epochs:
@@ -131,8 +126,8 @@ def check_resumable(about, cfg, where):
 
 
 def load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state=None):
-    """With --snapshot FILE and FILE there: load it into model, optimizer (and PowerSGD's hook_state), return the
-    epochs it holds; else 0."""
+    """With --snapshot FILE and FILE there: load it into model, optimizer (and the hook's state), return the epochs it
+    holds; else 0."""
     if not cfg.snapshot:
         return 0
     path = Path(cfg.snapshot)
@@ -148,7 +143,8 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state=None):
             scaler.load_state_dict(snapshot["scaler"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise FatalError(f"snapshot {path} holds a different model ({str(e).strip().splitlines()[0]}); {FIX}") from None
-    load_hook_state(hook_state, snapshot.get("comm_hook"), ctx, path)
+    if hook_state:
+        hook_state.load(snapshot.get("comm_hook"), ctx, path)
     print_resumed(ctx, path, snapshot["epochs_done"], cfg)
     return snapshot["epochs_done"]
 
@@ -210,7 +206,7 @@ def finish_sharded_snapshot(folder, epochs_done, cfg, ctx):
     resumes from the previous one), and the older epoch-* folders go; every rank learns whether it managed."""
     def write():
         atomic_save(dict(format=SHARDED_FORMAT, epochs_done=epochs_done, world_size=ctx.world_size,
-                         config={k: getattr(cfg, k) for k in TRAJECTORY_FLAGS}), folder / "snapshot.pt")
+                         config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS}), folder / "snapshot.pt")
         for old in Path(cfg.snapshot).glob("epoch-*"):
             if old != folder:
                 shutil.rmtree(old)

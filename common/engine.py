@@ -1,12 +1,16 @@
-"""The one training loop and evaluation every chapter calls: chapter 1's loop, with the places a strategy plugs in."""
+"""The one training loop and evaluation every chapter calls: chapter 1's loop, with the places a strategy plugs in, and
+metrics.jsonl, where rank 0 writes each line the loop prints (scripts/plot_curves.py draws it)."""
 import contextlib
 import itertools
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from common.cli import FatalError
 from common.ranks import all_reduce_sum, print0
 
 loss_fn = nn.CrossEntropyLoss()
@@ -25,14 +29,8 @@ def synchronize(device):
 
 
 def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, no_sync=None, gradient_sync=None):
-    """One pass over this rank's batches, with the quickstart's loss lines, then the epoch's time and mean loss.
-
-    Each optimizer step takes --accum-steps micro-batches (the loader's batches), each loss weighted by its share of
-    the step's images, so the gradient is the mean over the step, as one batch of them all gives (an epoch's last
-    step may be short). The chapter passes its way to keep a micro-batch's gradients on this rank, DDP's no_sync()
-    or FSDP2's gradient_sync switch: all micro-batches of a step but the last keep theirs, so the last backward()
-    sends their sum, once per step. scaler: fp16's torch.amp.GradScaler, or None.
-    """
+    """One pass over this rank's batches, --accum-steps of them a step, with the quickstart's loss lines. no_sync,
+    gradient_sync: the strategy's way to keep a micro-batch's gradients on this rank (DDP's, FSDP2's)."""
     model.train()
     size, steps = len(loader.dataset), math.ceil(len(loader) / cfg.accum_steps)  # size: every rank's images
     loss_sum, seen = torch.zeros((), device=ctx.device), 0  # summed on the device: no host sync per step
@@ -44,22 +42,17 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, 
         step_loss = 0
         for i, (X, y) in enumerate(micro):
             X, y = X.to(ctx.device), y.to(ctx.device)  # the quickstart's line; a no-op here: the data lives there
-            last = i == len(micro) - 1
+            last = i == len(micro) - 1  # all micro-batches but the last keep their gradients on this rank
             if gradient_sync:
                 gradient_sync(last)
             with no_sync() if no_sync and not last else contextlib.nullcontext():
                 with autocast(cfg, ctx.device):
-                    loss = loss_fn(model(X), y) * (len(y) / images)  # x 1.0 without accumulation: unchanged
+                    loss = loss_fn(model(X), y) * (len(y) / images)  # each weighted by its share of the step's images
                 # DDP: this backward() averages the gradients over the ranks, bucket by bucket while it runs (FSDP2
                 # reduce-scatters them); under no_sync() they only add up here.
                 (scaler.scale(loss) if scaler else loss).backward()
             step_loss = step_loss + loss.detach()
-        if scaler:
-            scaler.step(optimizer)  # skips the step if fp16's gradients overflowed, then lowers the scale
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
+        optimizer_step(optimizer, scaler)
         loss_sum.add_(step_loss, alpha=images)
         seen += images
         if step % cfg.log_every == 0:
@@ -68,13 +61,21 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, 
     print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics)
     if scaler:  # one read of the scale per epoch (it lives on the device): halved per skipped step, doubled
         print0(ctx, f"fp16 loss scale: {scaler.get_scale():g}")  # after 2000 steps in a row without inf/NaN
-    if cfg.compile:
-        print0(ctx, compiled_so_far())
+
+
+def optimizer_step(optimizer, scaler):
+    """The step, then the gradients cleared; fp16's scaler skips a step whose gradients overflowed and lowers itself."""
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad()
 
 
 def print_loss_line(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics):
-    """The quickstart's loss line, from an all-reduce of every rank's loss and images (a rank with none adds 0, 0):
-    rank 0 prints the mean loss over the whole global batch."""
+    """The quickstart's loss line: rank 0 prints the mean loss of the whole global batch (an all-reduce of the ranks'
+    losses and images; a rank with none adds 0, 0)."""
     total, count = all_reduce_sum([step_loss * images, images], ctx, ctx.data_group)
     print0(ctx, f"loss: {total / count:>7f}  [{step * cfg.batch_size:>5d}/{size:>5d}]")
     metrics.write("train", epoch + 1, step=epoch * steps + step + 1,
@@ -91,23 +92,10 @@ def print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics):
                  samples_per_second=count / seconds)
 
 
-def compiled_so_far():
-    """torch's own counters: the graphs Dynamo captured and the parts AOTAutograd compiled (DDP cuts at its buckets)."""
-    from torch._dynamo.utils import counters
-
-    graphs, parts = counters["stats"]["unique_graphs"], counters["aot_autograd"]["ok"]
-    return (f"torch.compile so far: {graphs} graph{'s' * (graphs != 1)} captured, compiled in {parts} "
-            f"part{'s' * (parts != 1)}")
-
-
 @torch.no_grad()
 def evaluate(model, loader, epoch, ctx, metrics):
-    """Accuracy and mean loss over the whole test set: each rank counts its shard, an all-reduce sums the counts.
-
-    Outside autocast, so in float32 whatever --precision trained the (float32) weights: the figure measures the model
-    itself (fsdp.py in bf16 is the exception: FSDP2 gathers bf16 weights for every forward; its outputs come back
-    float32, so the sums below are not rounded to bf16).
-    """
+    """Accuracy and mean loss over the whole test set, in float32 whatever --precision trained: each rank counts its
+    shard, an all-reduce sums the counts."""
     model.eval()
     loss_sum = torch.zeros((), device=ctx.device)
     correct = torch.zeros((), dtype=torch.long, device=ctx.device)
@@ -128,3 +116,44 @@ def print_test_lines(loss_sum, correct, seen, epoch, ctx, metrics):
     print0(ctx, f"Test Error: \n Accuracy: {100 * accuracy:>0.1f}%, Avg loss: {test_loss:>8f} \n")
     metrics.write("epoch", epoch + 1, test_accuracy=accuracy, test_loss=test_loss)
     return accuracy, test_loss
+
+
+class MetricsLog:
+    """FOLDER/metrics.jsonl on global rank 0, a JSON line as soon as it is known (a killed run keeps what it logged):
+    "train" lines every --log-every steps, "epoch" lines at each epoch's end (docs/tests.md lists their fields)."""
+
+    def __init__(self, folder, ctx, epochs_done=0):
+        self.path, self.pending, self.started = None, {}, time.perf_counter()
+        if folder is None or not ctx.is_main:
+            return
+        self.path = Path(folder) / "metrics.jsonl"
+        kept = []
+        if epochs_done and self.path.exists():  # resuming: keep the epochs the snapshot holds, drop the lost ones
+            kept = [line + "\n" for line in self.path.read_text().splitlines() if _epoch_of(line) <= epochs_done]
+        self._put(kept, "w")
+
+    def note(self, **fields):
+        """Fields for this epoch's "epoch" record, written with it."""
+        self.pending.update(fields)
+
+    def write(self, kind, epoch, **fields):
+        """One record; an "epoch" record also takes the fields noted since the last one."""
+        extra, self.pending = (self.pending, {}) if kind == "epoch" else ({}, self.pending)
+        record = dict(kind=kind, epoch=epoch, **extra, **fields, time=round(time.perf_counter() - self.started, 3))
+        if self.path is not None:
+            self._put([json.dumps(record) + "\n"], "a")
+
+    def _put(self, lines, mode):
+        try:
+            with open(self.path, mode) as f:
+                f.writelines(lines)
+        except OSError as e:
+            raise FatalError(f"cannot write {self.path}: {e.strerror}; free some space or pass another --output") from None
+
+
+def _epoch_of(line):
+    """A record's epoch; a line cut off by a kill counts as never written."""
+    try:
+        return json.loads(line)["epoch"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")

@@ -1,13 +1,19 @@
-"""Who this process is among the ranks, which device it computes on, and the few things all ranks say together."""
+"""Who this process is among the ranks, which device it computes on, how the launchers start them, and the few things
+all ranks say together."""
+import argparse
 import os
+import re
 import socket
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
-from common.config import flag_text
-from common.errors import FatalError, UsageError
+from common.cli import EXPLAINED, RANK, FatalError, UsageError, flag_text
 
 
 @dataclass(frozen=True)
@@ -18,8 +24,8 @@ class DistContext:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
-    # The ranks whose batches differ, over which losses and test counts are summed: None is all of them. Under tensor
-    # parallelism the ranks of one tp group share each batch, so the sums run over one of them per batch (the dp ranks).
+    # The ranks whose batches differ, over which losses and test counts are summed: None is all of them (tensor
+    # parallel: the ranks of one tp group share each batch, so the sums run over one of them per batch).
     data_group: object = None
 
     @property
@@ -35,6 +41,25 @@ def choose_device(requested=None):
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
+
+def print0(ctx, *args, **kwargs):
+    """print() on global rank 0 only, as one flushed write, so other ranks' lines cannot land inside it."""
+    if ctx.is_main:
+        sep, end = kwargs.pop("sep", " "), kwargs.pop("end", "\n")
+        print(sep.join(map(str, args)) + end, end="", flush=True, **kwargs)
+
+
+def all_reduce_sum(values, ctx, group=None):
+    """Sum a few numbers over all ranks, or over group (every rank in it must call it); returns Python floats."""
+    if ctx.world_size == 1:
+        return [float(v) for v in values]
+    # float64 holds counts up to 2**53 exactly; the tensor lives where the backend can reach it.
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+# ---- Several ranks: each one's device, the launchers' checks, the lines they all say ----
 
 def rank_device(requested, local_rank, ranks_here=None):
     """A DDP rank's device: cuda:<local rank>, else the CPU; one line for what cannot work. ranks_here: the ranks this
@@ -58,12 +83,63 @@ def rank_device(requested, local_rank, ranks_here=None):
     return torch.device("cuda", local_rank)
 
 
-def cpu_threads(ranks_here):
-    """Threads for one CPU rank: the cores SLURM gave its task, or this machine's, split over the ranks sharing them."""
-    per_task = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
-    if per_task:  # srun gave this task cores of its own; torchrun's workers inside one task share them
-        return max(1, per_task // int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
+def check_global_batch(batch_size, world_size, accum_steps=1):
+    """--batch-size is the global batch, so it must split evenly over the ranks and their --accum-steps micro-batches."""
+    parts = world_size * accum_steps
+    if batch_size % parts:
+        split = f"{world_size} ranks" + (f" x {accum_steps} micro-batches" if accum_steps > 1 else "")
+        raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over {split}; "
+                         f"use a multiple of {parts}, e.g. {batch_size // parts * parts or parts}")
+
+
+def check_torchrun_worker():
+    """One line unless this is a torchrun worker whose restarts (--max-restarts) each get a fresh store: sharing
+    torchrun's own (its default), a restart's workers meet among the dead ones' keys (torch 2.14 keeps them all)."""
+    if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
+        raise UsageError(f"RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
+                         f"`torchrun --standalone --nproc-per-node 2 {Path(sys.argv[0]).name}`")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise UsageError("torchrun --max-restarts needs a fresh store per restart: run it as "
+                         "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...` with a c10d rendezvous (--standalone, "
+                         "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
+
+
+def default_nprocs(requested=None):
+    """ddp_mp.py's default: one process per visible GPU; 2 on the CPU, so the chapter still shows two ranks."""
+    return torch.cuda.device_count() if requested != "cpu" and torch.cuda.is_available() else 2
+
+
+def free_port(host="127.0.0.1"):
+    """A port the OS says is free right now (instead of a hard-coded 12355 that a second job would collide on)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_url(text):
+    """--init-method's type: tcp://HOST:PORT with a port in 1..65535, or file:// with an absolute path."""
+    url = urlparse(text)
+    try:
+        if url.scheme == "file" and url.path.startswith("/") and not url.netloc or url.scheme == "tcp" and url.hostname \
+                and 0 < (url.port or 0) < 65536:
+            return text
+    except ValueError:  # a port that is not a number
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: use tcp://HOST:PORT (rank 0's address) or file:///shared/path")
+
+
+def check_file_rendezvous(init_method, timeout):
+    """For file://: its folder must exist, and a file older than --timeout was left by a crashed run (a clean run
+    removes it): the ranks would meet among the old run's keys."""
+    path = Path(urlparse(init_method).path)
+    if not init_method.startswith("file://"):
+        return
+    if not path.parent.is_dir():
+        raise FatalError(f"rendezvous folder {path.parent} does not exist; create it on a filesystem every machine "
+                         f"shares")
+    if path.exists() and time.time() - path.stat().st_mtime > timeout:
+        raise FatalError(f"rendezvous file {path} is left over from an earlier run "
+                         f"({time.time() - path.stat().st_mtime:.0f}s old); delete it or pass a new file:// name")
 
 
 # Flags every rank must share: with others, the ranks take different numbers of steps or collectives, and gloo
@@ -73,9 +149,9 @@ SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_s
 
 
 def all_gather_flags(cfg, ctx):
-    """Once the group is up, an all_gather of every rank's host and flags: ranks started with different flags stop in
-    one line; each prints its own line; returns its CPU threads (on the CPU: its share of its machine's cores, unless
-    OMP_NUM_THREADS is set; more threads than cores makes every rank slower)."""
+    """An all_gather of every rank's host and flags: ranks started with other flags stop in one line; each prints its
+    line; returns its CPU threads (its share of its machine's cores unless OMP_NUM_THREADS is set: more threads than
+    cores makes every rank slower)."""
     flags = {name: getattr(cfg, name) for name in SAME_ON_EVERY_RANK} | {"snapshot": cfg.snapshot is not None}
     host = socket.gethostname()
     everyone = [None] * ctx.world_size
@@ -95,27 +171,17 @@ def all_gather_flags(cfg, ctx):
     return threads
 
 
-def print0(ctx, *args, **kwargs):
-    """print() on global rank 0 only, as one flushed write, so other ranks' lines cannot land inside it."""
-    if ctx.is_main:
-        sep, end = kwargs.pop("sep", " "), kwargs.pop("end", "\n")
-        print(sep.join(map(str, args)) + end, end="", flush=True, **kwargs)
-
-
-def all_reduce_sum(values, ctx, group=None):
-    """Sum a few numbers over all ranks, or over group (every rank in it must call it); returns Python floats."""
-    if ctx.world_size == 1:
-        return [float(v) for v in values]
-    # float64 holds counts up to 2**53 exactly; the tensor lives where the backend can reach it.
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
-    dist.all_reduce(t, group=group)
-    return t.tolist()
+def cpu_threads(ranks_here):
+    """Threads for one CPU rank: the cores SLURM gave its task, or this machine's, split over the ranks sharing them."""
+    per_task = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
+    if per_task:  # srun gave this task cores of its own; torchrun's workers inside one task share them
+        return max(1, per_task // int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 
 def print_parameter_bytes(model, ctx):
-    """One line from rank 0 after an all_gather (every rank takes part): the whole model's parameter bytes, and the
-    bytes of the slices each rank holds (FSDP2 and tensor parallel: a parameter is a DTensor, of which a rank holds its slice, to_local();
-    a plain parameter is held whole; pipeline stages: each rank holds whole layers, no two ranks the same ones)."""
+    """One line from rank 0 after an all_gather: the whole model's parameter bytes and those each rank holds (a DTensor's
+    local slice, a plain parameter whole; pipeline stages hold whole layers, no two ranks the same)."""
     mine = sum(getattr(p, "to_local", lambda: p)().numel() * p.element_size() for p in model.parameters())
     full = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel() is the whole
     everyone = [None] * ctx.world_size
@@ -125,3 +191,60 @@ def print_parameter_bytes(model, ctx):
     per_rank = (", ".join(f"rank {r} {b:,}" for r, b in enumerate(everyone)) if ctx.world_size <= 8
                 else f"{min(everyone):,} to {max(everyone):,} per rank")
     print0(ctx, f"Parameter bytes: {full:,} in the whole model; held: {per_rank}")
+
+
+# ---- What torch says when ranks cannot meet or lose each other, explained in one line with the fix ----
+
+NO_RANK0 = ("rank 0 is not running there, a firewall blocks the port, or the address is wrong. Start rank 0, check "
+            "the address and port, and set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches it")
+MISSING_PEERS = ("start every rank, with the same address and world size; a firewall between the machines, or "
+                 "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the wrong interface, keeps them apart too")
+PORT = r"port: (\d+)"
+DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line for them)
+    (r"EADDRINUSE|ddress already in use", lambda m: (
+        f"port {''.join(re.findall(PORT, m.string)[:1]) or '?'} is busy (another job or a leftover process holds it); "
+        f"pick a free port (MASTER_PORT, --init-method tcp://HOST:OTHER_PORT) or stop the old job")),
+    (r"Unable to find address for: ?(\S+)", lambda m: (
+        f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', m[1])} is not a network interface of this "
+        f"machine; set it to the one on the network the ranks share (`ip -br addr` lists them), or unset it")),
+    (r"timed out after (\d+)ms while trying to connect to \((.+), (\d+)\)", lambda m: (
+        f"no rendezvous at {m[2]}:{m[3]} within {int(m[1]) / 1000:g}s: {NO_RANK0}")),
+    (r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", lambda m: (
+        f"only {m[2]} of {m[3]} processes reached the rendezvous within {m[1]}s: {MISSING_PEERS}")),
+    (r"^\s*(Wait timeout|Socket Timeout)\s*$", lambda m: (  # a store's wait ran out: a peer never came
+        f"not every rank reached the rendezvous within --timeout: {MISSING_PEERS}")),
+    # NCCL: two ranks of one machine were given the same GPU.
+    (r"Duplicate GPU detected ?: rank (\d+) and rank (\d+) both on CUDA device (\w+)", lambda m: (
+        f"ranks {m[1]} and {m[2]} are on the same GPU, and NCCL needs one GPU per rank: start at most one process "
+        f"per visible GPU on each machine and give each its own local rank")),
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL's check: the ranks were about to run different collectives.
+    (r"Detected mismatch between collectives on ranks\. Rank (\d+) is running collective: CollectiveFingerPrint\("
+     r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+).*?but Rank (\d+) is running "
+     r"collective: CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], "
+     r"TensorDtypes=(\w+)", lambda m: (
+        f"collective mismatch: rank {m[1]} runs collective #{m[2]} {m[3]} [{m[4]}] {m[5]}, rank {m[6]} runs #{m[7]} "
+        f"{m[8]} [{m[9]}] {m[10]}: every rank must call the same collectives in the same order with the same shapes "
+        f"(a collective under `if rank == 0`, a loop one rank leaves early, uneven data)")),
+    # gloo, once the group is up: the peer's end of the connection was closed (its process died).
+    (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m: (
+        f"lost contact with the other ranks ({_first_line(m.string)}): another rank died (see its log), or the "
+        f"network between them failed")),
+    # gloo, once the group is up: a peer stopped answering but kept its connection (stopped, hung, or elsewhere); the
+    # operation that timed out says so, or one waiting on a connection gloo then closed ("pair closure").
+    (r"Timed out waiting (\d+)ms for (?:recv|send) operation|Application timeout caused pair closure", lambda m: (
+        f"no answer from another rank within --timeout{f' ({int(m[1]) / 1000:g}s)' if m[1] else ''}: one of them is "
+        f"stopped or stuck (see its log), or the network between them stalled")),
+]
+
+
+def _first_line(text):
+    """The first line of an error's text, without gloo's "[.../pair.cc:545]" source prefix."""
+    line = next((x for x in str(text).strip().splitlines() if x.strip()), "")
+    return re.sub(r"^\[[^\]]*\]\s*", "", line).split(". This is typically")[0].strip()
+
+
+def name_rank_in_errors(rank, world_size):
+    """From now on this process's error lines start with [rank N] (where there are several ranks), and torch's
+    messages about ranks that cannot meet or lost each other are explained."""
+    RANK[0] = rank if world_size > 1 else None
+    EXPLAINED.extend(x for x in DISTRIBUTED_ERRORS if x not in EXPLAINED)

@@ -33,14 +33,12 @@ mean something. The target checks are a report: the exit code is 0 even when one
 case could not run. To add a row, append one Case to CASES: a name, label, ranks, command builder, parser.
 """
 import argparse
-import gzip
 import json
 import math
 import os
 import platform
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,11 +57,9 @@ from torch import nn  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from common import data, idx  # noqa: E402
-from common.config import check_device  # noqa: E402
-from common.errors import FatalError, run_main  # noqa: E402
-from common.launch import free_port  # noqa: E402
-from common.ranks import cpu_threads  # noqa: E402
+from common import data  # noqa: E402
+from common.cli import Config, FatalError, device_type, run_main  # noqa: E402
+from common.ranks import cpu_threads, free_port  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
 
 BATCH_SIZE, LR, SEED = 64, 1e-3, 0  # the quickstart's settings, which single_gpu.py also defaults to
@@ -106,7 +102,7 @@ def case_quickstart(args):
     from torchvision.transforms import ToTensor
 
     device = torch.device(args.device)
-    training_data = datasets.FashionMNIST(root=args.torchvision_root, train=True, download=False, transform=ToTensor())
+    training_data = datasets.FashionMNIST(root=args.data_dir, train=True, download=False, transform=ToTensor())
     # As the quickstart: no shuffle, no workers, pin_memory=False (the default), also on CUDA.
     train_dataloader = DataLoader(training_data, batch_size=BATCH_SIZE)
     torch.manual_seed(SEED)
@@ -124,7 +120,7 @@ def case_quickstart(args):
 def case_floor(args):
     """(c) The compute floor: forward/backward/step over slices of one float32 tensor, nothing else per step."""
     device = torch.device(args.device)
-    train_set = data.load_split(data.locate_fashion_mnist(args.data_dir), "train", device)
+    train_set = data.load_fashion_mnist(Config(data_dir=args.data_dir), device)[0]
     X, y = train_set.images.float().div_(255), train_set.labels  # float32 in [0, 1], before any clock starts
     n = len(y)
     torch.manual_seed(SEED)
@@ -156,7 +152,7 @@ def _floor_worker(rank, args, port):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        train_set = data.load_split(data.locate_fashion_mnist(args.data_dir), "train", device)
+        train_set = data.load_fashion_mnist(Config(data_dir=args.data_dir), device)[0]
         # Rank r's share of the first epoch, in DistributedSampler's order, converted before any clock starts.
         shard = torch.tensor(list(DistributedSampler(train_set, num_replicas=world, rank=rank, seed=SEED)),
                              device=device)
@@ -261,31 +257,11 @@ class Workspace:
 
     def __init__(self, args, data_dir, tmp):
         self.args, self.data_dir, self.tmp = args, Path(data_dir), Path(tmp)
-        self._torchvision_root = None
 
     def inner(self, case):
         """Command that runs one of this file's INNER_CASES in a fresh interpreter."""
         return [sys.executable, str(Path(__file__).resolve()), "--case", case, "--epochs", str(self.args.epochs),
                 "--device", self.args.device, "--data-dir", str(self.data_dir)]
-
-    def torchvision_root(self):
-        """A root torchvision's FashionMNIST(download=False) accepts: the four raw IDX files in FashionMNIST/raw/."""
-        if self._torchvision_root is None:
-            root = self.tmp / "torchvision"
-            raw = root / "FashionMNIST" / "raw"
-            raw.mkdir(parents=True)
-            # The loader's own search, so both pipelines read the very same files (raw or .gz, either layout).
-            for split in idx.FILES:
-                for src in idx.find_split_files(self.data_dir, split):
-                    dst = raw / src.name.removesuffix(".gz")
-                    # torchvision reads only uncompressed files when it does not download.
-                    try:
-                        with (gzip.open if src.suffix == ".gz" else open)(src, "rb") as fin, open(dst, "wb") as fout:
-                            shutil.copyfileobj(fin, fout)
-                    except (OSError, EOFError) as e:  # bad gzip, cut-off file, full disk
-                        raise FatalError(f"cannot decompress {src} for the quickstart case: {e}") from None
-            self._torchvision_root = root
-        return self._torchvision_root
 
 
 @dataclass(frozen=True)
@@ -315,8 +291,8 @@ def inner(case, *extra):
 
 
 def quickstart_command(ws):
-    """(b) case_quickstart in a subprocess, on the decompressed copy torchvision needs."""
-    return ws.inner("quickstart") + ["--torchvision-root", str(ws.torchvision_root())]
+    """(b) case_quickstart in a subprocess, on the data folder every case reads (torchvision's own root)."""
+    return ws.inner("quickstart")
 
 
 PY = [sys.executable]
@@ -562,7 +538,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=_positive_int, default=2, help="epochs per case; the best one counts (default %(default)s)")
     p.add_argument("--rounds", type=_positive_int, default=1,
                    help="run every case this many times, interleaved; the best epoch of all counts (default %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+    p.add_argument("--device", default="cpu", type=device_type, help="cpu, cuda or cuda:N (default %(default)s)")
     p.add_argument("--data-dir", default=None, help="FashionMNIST folder (default: as single_gpu.py finds it)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write all measurements to PATH as JSON")
     p.add_argument("--png", default=None, metavar="PATH", help="also draw samples/s per row as a bar chart (needs matplotlib)")
@@ -571,14 +547,12 @@ def parse_args(argv=None):
     p.add_argument("--cases", default=",".join(CASES_BY_KEY),
                    help=f"comma list of cases to run, from {', '.join(CASES_BY_KEY)} (default: all)")
     p.add_argument("--case", choices=sorted(INNER_CASES), help=argparse.SUPPRESS)  # inside a case's subprocess
-    p.add_argument("--torchvision-root", help=argparse.SUPPRESS)
     p.add_argument("--nprocs", type=_positive_int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.cases = [key.strip() for key in args.cases.split(",") if key.strip()]
     unknown = [key for key in args.cases if key not in CASES_BY_KEY]
     if unknown or not args.cases:
         p.error(f"--cases: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(CASES_BY_KEY)}")
-    check_device(p, args.device)
     return args
 
 

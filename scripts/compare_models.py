@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/ is o
 import torch  # noqa: E402
 
 from common.checkpoint import SNAPSHOT_FORMAT  # noqa: E402
-from common.errors import FatalError  # noqa: E402
+from common.cli import FatalError  # noqa: E402
 
 
 def load_weights(path, map_location="cpu"):

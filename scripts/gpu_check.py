@@ -2,11 +2,11 @@
 
     python scripts/gpu_check.py                               # on every GPU torch sees here
     CUDA_VISIBLE_DEVICES=2,3 python scripts/gpu_check.py      # on these two (UUIDs and MIG names work too)
-    python scripts/gpu_check.py --data-dir ~/fashion-mnist    # the four FashionMNIST files are there
+    python scripts/gpu_check.py --data-dir ~/fashion-mnist    # the four FashionMNIST .gz files are there
     python scripts/gpu_check.py --workers 4 -- -x             # 4 tests at a time (pytest-xdist); pytest's flags after --
 
 It needs torch with CUDA, pytest, and FashionMNIST on disk (no download is tried: GPU machines are often offline):
---data-dir, else ./data, else Debian's dataset-fashion-mnist. For the --compile tests also a C compiler (gcc, or $CC)
+./data as torchvision reads it, filled from the four .gz files in --data-dir, else from Debian's dataset-fashion-mnist. For the --compile tests also a C compiler (gcc, or $CC)
 and Python's headers, with which Triton builds its kernel launcher; without them those tests are skipped, saying why.
 The tests see the GPUs this command was given and no others: CUDA_VISIBLE_DEVICES is passed on as it is.
 """
@@ -24,8 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from common import idx  # noqa: E402
-from common.errors import UsageError, run_main  # noqa: E402
+from common.cli import FatalError, UsageError, run_main  # noqa: E402
 
 
 def c_compiler():
@@ -36,18 +35,23 @@ def c_compiler():
 
 
 def find_data(data_dir):
-    """The folder holding the four FashionMNIST files (raw or .gz, flat or torchvision's layout), or one line why not."""
-    places = [Path(data_dir)] if data_dir else [REPO / "data", Path(idx.SYSTEM_DIR)]
-    for folder in places:
-        if idx.find_split_files(folder, "train") and idx.find_split_files(folder, "test"):
-            return folder.resolve()
-    raise UsageError(f"FashionMNIST not found in {', '.join(map(str, places))}: copy its four .gz files (Debian's "
-                     f"dataset-fashion-mnist has them in {idx.SYSTEM_DIR}) to {REPO / 'data'}, or pass --data-dir DIR")
+    """./data as torchvision reads it (the folder the tests use), filled if need be from the four .gz files in
+    data_dir, else from Debian's copy; one line if neither has them."""
+    os.environ["FASHION_MNIST_OFFLINE"] = "1"  # the tests' processes, too, try no download
+    if data_dir:
+        os.environ["FASHION_MNIST_SYSTEM_DIR"] = str(Path(data_dir).resolve())
+    from common.data import locate_fashion_mnist  # reads FASHION_MNIST_SYSTEM_DIR when imported
+
+    (REPO / "data").mkdir(exist_ok=True)
+    try:
+        return locate_fashion_mnist(str(REPO / "data")).resolve()
+    except FatalError as e:
+        raise UsageError(f"{e} (--data-dir: a folder holding the four FashionMNIST .gz files)") from None
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", help="FashionMNIST folder (default: ./data, then Debian's package)")
+    p.add_argument("--data-dir", help="a folder with FashionMNIST's four .gz files (default: Debian's package)")
     p.add_argument("--workers", type=int, default=1, help="tests run at once, with pytest-xdist (default 1)")
     p.add_argument("pytest_args", nargs="*", help="more pytest flags, after --")
     args = p.parse_args()
@@ -73,8 +77,7 @@ def main():
     command += ["-n", str(args.workers), "-rsP"] if args.workers > 1 else ["-rs", "-s"]
     command += args.pytest_args
     print("$ python", " ".join(command[1:]), flush=True)
-    env = dict(os.environ, FASHION_MNIST_SYSTEM_DIR=str(folder), FASHION_MNIST_OFFLINE="1")
-    sys.exit(subprocess.run(command, cwd=REPO, env=env).returncode)
+    sys.exit(subprocess.run(command, cwd=REPO, env=os.environ).returncode)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,30 @@ With the same seed and global batch every chapter trains the same model, so the 
 other; the script also prints how far each run is from the first one. Needs matplotlib (pip install matplotlib).
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/ is on sys.path, not the repo root
 
-from common.errors import FatalError, run_main  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
+from common.cli import FatalError, run_main  # noqa: E402
+
+def read_metrics(folder):
+    """The records of FOLDER/metrics.jsonl (or of the file itself), in order; damaged lines are skipped."""
+    path = Path(folder)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise FatalError(f"cannot read {path}: {e.strerror}; pass a run's --output folder (it holds metrics.jsonl)") from None
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
 
 STYLES = [dict(lw=5, alpha=0.35), dict(lw=2.5, ls="--"), dict(lw=1.5, ls=":"), dict(lw=1, ls="-."), dict(lw=0.8)]
 

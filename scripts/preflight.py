@@ -30,10 +30,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/, when run as scripts/preflight.py
 
-from common.config import parse_config  # noqa: E402
-from common.errors import FatalError, explain, name_rank_in_errors, one_line_errors, run_main  # noqa: E402
-from common.launch import check_rendezvous, default_nprocs, free_port  # noqa: E402
-from common.ranks import DistContext, rank_device  # noqa: E402
+from common.cli import POSITIVE, FatalError, explain, flag, parse_config, run_main, spawned  # noqa: E402
+from common.comm_hooks import COMM_HOOK  # noqa: E402
+from common.ranks import DistContext, default_nprocs, free_port, name_rank_in_errors, rank_device  # noqa: E402
+from ddp_slurm import first_node  # noqa: E402
 
 # Buffer sizes swept as nccl-tests sweeps them (x4 a step): from latency-bound to bandwidth-bound. On GPUs up to 256
 # MiB, where a fast link needs that much to reach its bandwidth; on the CPU (gloo) 16 MiB already does.
@@ -163,38 +163,40 @@ def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
     except Exception as e:
         if dist.is_initialized():
             dist.destroy_process_group()
+        why = explain(e) or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
         raise FatalError(f"preflight: FAILED: rank {rank} on {host} could not meet the others at {init_method}: "
-                         f"{explain(e)}") from None
+                         f"{why}") from None
     try:
         preflight(ctx, backend, everyone)
     finally:
         dist.destroy_process_group()
 
 
-@one_line_errors
-def spawned(rank, cfg, world_size):
+@spawned
+def spawned_rank(rank, cfg, world_size):
     run_rank(rank, rank, world_size, world_size, cfg, "env://")
 
 
 def main():
-    cfg = parse_config(description=__doc__, chapter_flags=("nprocs", "comm_hook"))  # the job's flags are accepted as they are
+    cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK,  # the job's flags are accepted as they are
+                       nprocs=flag(None, POSITIVE, "processes to spawn, as ddp_mp.py (default one per visible GPU)"))
     if cfg.nprocs is not None or not ({"RANK", "WORLD_SIZE"} <= os.environ.keys() or "SLURM_STEP_ID" in os.environ):
         world_size = cfg.nprocs or default_nprocs(cfg.device)  # as ddp_mp.py: mp.spawn on this machine
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        mp.spawn(spawned, args=(cfg, world_size), nprocs=world_size)
+        try:
+            mp.spawn(spawned_rank, args=(cfg, world_size), nprocs=world_size)
+        except mp.ProcessExitedException as e:  # a rank failed and said why; spawn stopped the others
+            raise SystemExit(e.exit_code if e.exit_code > 0 else f"error: rank {e.error_index} was killed by "
+                                                                  f"{e.signal_name}")
     elif "RANK" in os.environ:  # torchrun
         run_rank(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]),
                  int(os.environ["LOCAL_WORLD_SIZE"]), cfg, "env://")
-    else:  # a task of srun, as ddp_slurm.py
-        from common.slurm import check_srun_task, slurm_master
-
-        check_srun_task()
-        rank = int(os.environ["SLURM_PROCID"])
-        master_addr, master_port = slurm_master()
-        init_method = f"tcp://{master_addr}:{master_port}"
-        check_rendezvous(init_method, rank, cfg.timeout)
-        run_rank(rank, int(os.environ["SLURM_LOCALID"]), int(os.environ["SLURM_NTASKS"]), None, cfg, init_method)
+    else:  # a task of srun, meeting where ddp_slurm.py's ranks meet
+        master_addr = os.environ.get("MASTER_ADDR") or first_node(os.environ["SLURM_JOB_NODELIST"])
+        master_port = os.environ.get("MASTER_PORT") or 20000 + int(os.environ["SLURM_JOB_ID"]) % 10000
+        run_rank(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_LOCALID"]), int(os.environ["SLURM_NTASKS"]),
+                 None, cfg, f"tcp://{master_addr}:{master_port}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from statistics import median
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python scripts/scaling.py` puts scripts/, not the repo root, on sys.path
 
-from common.errors import FatalError, run_main  # noqa: E402
+from common.cli import FatalError, run_main  # noqa: E402
 from scripts.netns import IFNAME, NODES, TwoMachines, tc_bits, why_not  # noqa: E402
 from scripts.strategy_table import sent_by_ring  # noqa: E402
 
@@ -127,7 +127,7 @@ def worker(chapter, out, bucket_cap_mb, measured, args):
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import common.errors
+    import common.cli
 
     if bucket_cap_mb is not None:  # the chapter's DDP(...) with another bucket size, its file unchanged
         ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
@@ -159,7 +159,7 @@ def worker(chapter, out, bucket_cap_mb, measured, args):
             profiler.stop()
 
     register_optimizer_step_post_hook(after_step)
-    end = common.errors.end_process
+    end = common.cli.end_process
 
     def write_then_end(code):
         if code == 0 and steps[0] < WARMUP + measured:
@@ -183,7 +183,7 @@ def worker(chapter, out, bucket_cap_mb, measured, args):
                 kinds={kind: timed([e for e in gloo if e.name == f"gloo:{kind}"]) for kind in kinds})))
         end(code)
 
-    common.errors.end_process = write_then_end
+    common.cli.end_process = write_then_end
     sys.argv = [chapter, *args]
     runpy.run_path(str(REPO / chapter), run_name="__main__")
 

@@ -73,7 +73,7 @@ def worker(chapter, out, args):
     import torch.distributed as dist
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    import common.errors
+    import common.cli
 
     held, sends, trace = {}, [], {}
 
@@ -102,7 +102,7 @@ def worker(chapter, out, args):
         return destroy(*a, **kw)
 
     dist.destroy_process_group = read_the_record_then_destroy
-    end = common.errors.end_process
+    end = common.cli.end_process
 
     def write_then_end(code):
         sizes = trace.get("sizes", {})
@@ -113,7 +113,7 @@ def worker(chapter, out, args):
         Path(out, f"{rank}.json").write_text(json.dumps(dict(held=held, collectives=collectives, sends=sends)))
         end(code)
 
-    common.errors.end_process = write_then_end
+    common.cli.end_process = write_then_end
     sys.argv = [chapter, *args]
     sys.path.insert(0, str(REPO))
     runpy.run_path(str(REPO / chapter), run_name="__main__")

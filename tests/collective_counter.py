@@ -22,11 +22,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.config import Config  # noqa: E402
-from common.data import TensorImages  # noqa: E402
+from common.cli import Config  # noqa: E402
+from common.data import DeviceImages  # noqa: E402
 from common.engine import train_one_epoch  # noqa: E402
-from common.errors import run_main  # noqa: E402
-from common.metrics import MetricsLog  # noqa: E402
+from common.cli import run_main  # noqa: E402
+from common.engine import MetricsLog  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
 from common.ranks import DistContext  # noqa: E402
 
@@ -58,7 +58,7 @@ def main():
     ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size())
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (192, 1, 28, 28), dtype=torch.uint8, generator=g)
-    data = TensorImages(images, torch.randint(0, 10, (192,), generator=g))
+    data = DeviceImages(images, torch.randint(0, 10, (192,), generator=g))
     counts = []
     reduce_scatter = dist.reduce_scatter_single
 

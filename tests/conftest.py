@@ -15,10 +15,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import idx  # noqa: E402
-from common.metrics import read_metrics  # noqa: E402
+from common.cli import FatalError  # noqa: E402
+from scripts.plot_curves import read_metrics  # noqa: E402
 
 SPLIT_SIZES = {"train": 256, "test": 96}
+FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
 
 def write_idx(path, tensor, compress=None):
@@ -33,15 +35,16 @@ def write_idx(path, tensor, compress=None):
     return path
 
 
-def make_fake_fashion_mnist(folder, layout="torchvision", gz=True, seed=0):
-    """A small random FashionMNIST in folder; returns {split: (images, labels)} as written."""
+def make_fake_fashion_mnist(folder, layout="torchvision", gz=False, seed=0):
+    """A small random FashionMNIST in folder (torchvision's layout: FashionMNIST/raw/, or flat as Debian ships it);
+    returns {split: (images, labels)} as written."""
     g = torch.Generator().manual_seed(seed)
     written = {}
     base = Path(folder) / "FashionMNIST" / "raw" if layout == "torchvision" else Path(folder)
     for split, n in SPLIT_SIZES.items():
         images = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g)
         labels = torch.randint(0, 10, (n,), dtype=torch.uint8, generator=g)
-        img_name, lbl_name = idx.FILES[split]
+        img_name, lbl_name = FILES[split]
         suffix = ".gz" if gz else ""
         write_idx(base / (img_name + suffix), images)
         write_idx(base / (lbl_name + suffix), labels)
@@ -51,17 +54,26 @@ def make_fake_fashion_mnist(folder, layout="torchvision", gz=True, seed=0):
 
 @pytest.fixture
 def fake_data(tmp_path):
-    """Folder with a small fake FashionMNIST in torchvision layout (.gz files)."""
+    """A data folder with a small fake FashionMNIST, as torchvision reads it."""
     folder = tmp_path / "fmnist"
     make_fake_fashion_mnist(folder)
     return folder
 
 
 def _real_data_dir():
-    for folder in (REPO / "data", Path(idx.SYSTEM_DIR)):
-        if idx.find_split_files(folder, "train") and idx.find_split_files(folder, "test"):
-            return folder
-    return None
+    """./data as torchvision reads it, unpacked from Debian's copy the first time (as a chapter's first run does);
+    None where neither has FashionMNIST."""
+    from common.data import locate_fashion_mnist
+
+    (REPO / "data").mkdir(exist_ok=True)
+    offline = os.environ.get("FASHION_MNIST_OFFLINE")
+    os.environ["FASHION_MNIST_OFFLINE"] = "1"
+    try:
+        return locate_fashion_mnist(str(REPO / "data"))
+    except FatalError:
+        return None
+    finally:
+        os.environ.pop("FASHION_MNIST_OFFLINE") if offline is None else None
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +113,7 @@ QUICK = [
     "tests/test_training_flags.py::test_flags_that_cannot_work_are_one_line",
     # the units: data, model and loop, flags, errors, the GPU path played on the CPU
     "tests/test_config.py", "tests/test_errors.py", "tests/test_model_engine.py", "tests/test_cuda_defaults.py",
-    "tests/test_gpu_path.py", "tests/test_data.py::test_read_idx_round_trip", "tests/test_data.py::test_load_from",
+    "tests/test_gpu_path.py", "tests/test_data.py::test_a_damaged_file_is_one_line", "tests/test_data.py::test_load_from",
     "tests/test_data.py::test_batches_match_torchvision_totensor", "tests/test_data.py::test_union_of_rank_batches",
     "tests/test_data.py::test_shard_sampler", "tests/test_data.py::test_loader_batches",
     "tests/test_preflight.py::test_bus_bandwidth_is_nccl_tests_busbw", "tests/test_docs.py::test_every_doc_command_is_known",

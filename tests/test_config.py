@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from common.config import Config, parse_config
+from common.cli import Config, parse_config
 from conftest import run_script
 
 

@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import engine
-from common.config import Config
+from common.cli import Config
 from common.data import load_fashion_mnist
-from common.metrics import MetricsLog
+from common.engine import MetricsLog
 from common.model import NeuralNetwork
 from common.ranks import DistContext
 from conftest import BASE_ENV, REPO

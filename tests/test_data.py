@@ -1,4 +1,4 @@
-"""Finding, decoding and serving FashionMNIST; the samplers that make every chapter see the same batches."""
+"""Finding and serving FashionMNIST through torchvision; the samplers that make every chapter see the same batches."""
 import gzip
 import http.server
 import threading
@@ -7,24 +7,21 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import data, idx
-from common.errors import FatalError
-from conftest import BASE_ENV, SPLIT_SIZES, load_state, make_fake_fashion_mnist, max_abs_diff, write_idx
+from common import data
+from common.cli import Config, FatalError
+from conftest import BASE_ENV, FILES, SPLIT_SIZES, load_state, make_fake_fashion_mnist, max_abs_diff
 
 
-@pytest.mark.parametrize("name", ["x-idx3-ubyte", "x-idx3-ubyte.gz"])
-def test_read_idx_round_trip(tmp_path, name):
-    t = torch.randint(0, 256, (5, 28, 28), dtype=torch.uint8)
-    assert torch.equal(idx.read_idx(write_idx(tmp_path / name, t)), t)
+def load(folder, device="cpu"):
+    """(train_set, test_set, folder) as a chapter loads them from --data-dir folder."""
+    return data.load_fashion_mnist(Config(data_dir=str(folder)), torch.device(device))
 
 
-@pytest.mark.parametrize("layout,gz", [("torchvision", True), ("torchvision", False), ("flat", True), ("flat", False)])
-def test_load_from_data_dir(tmp_path, layout, gz):
-    written = make_fake_fashion_mnist(tmp_path, layout=layout, gz=gz)
-    assert data.locate_fashion_mnist(str(tmp_path)) == tmp_path
-    test_set = data.load_split(tmp_path, "test", torch.device("cpu"))
+def test_load_from_data_dir(tmp_path):
+    written = make_fake_fashion_mnist(tmp_path)
+    train_set, test_set, folder = load(tmp_path)
     images, labels = written["test"]
-    assert len(test_set) == SPLIT_SIZES["test"]
+    assert folder == tmp_path and len(train_set) == SPLIT_SIZES["train"] and len(test_set) == SPLIT_SIZES["test"]
     assert torch.equal(test_set.images.squeeze(1), images) and torch.equal(test_set.labels, labels.long())
     # an item and a batch are what torchvision's ToTensor gives: float32 in [0, 1]
     image, label = test_set[3]
@@ -33,17 +30,22 @@ def test_load_from_data_dir(tmp_path, layout, gz):
     assert torch.equal(batch[1][0], images[2].float().div(255).unsqueeze(0)) and batch[1][1] == labels[2]
 
 
-def test_system_copy_is_used_when_no_data_dir(tmp_path, monkeypatch):
+def test_debians_copy_is_unpacked_into_the_data_folder(tmp_path, monkeypatch):
+    """No ./data: the first run unpacks Debian's four .gz files into it, where torchvision reads them."""
     system = tmp_path / "usr-share"
-    make_fake_fashion_mnist(system, layout="flat")  # the Debian package's layout: four .gz files
+    written = make_fake_fashion_mnist(system, layout="flat", gz=True)  # the Debian package's layout
     monkeypatch.setattr(data, "SYSTEM_DIR", str(system))
-    monkeypatch.chdir(tmp_path)  # no ./data here
-    assert data.locate_fashion_mnist(None) == system
+    monkeypatch.chdir(tmp_path)
+    assert data.locate_fashion_mnist(None) == data.Path("data")
+    assert sorted(p.name for p in (tmp_path / "data" / "FashionMNIST" / "raw").iterdir()) == \
+        sorted(name for names in FILES.values() for name in names)  # the four files, no temporary one left
+    train_set, _, _ = load(tmp_path / "data")
+    assert torch.equal(train_set.images.squeeze(1), written["train"][0])
 
 
 def test_real_debian_copy_decodes(real_data):
-    test_set = data.load_split(real_data, "test", torch.device("cpu"))
-    assert test_set.images.shape == (10000, 1, 28, 28) and test_set.labels.shape == (10000,)
+    train_set, test_set, _ = load(real_data)
+    assert train_set.images.shape == (60000, 1, 28, 28) and test_set.labels.shape == (10000,)
     assert torch.bincount(test_set.labels).tolist() == [1000] * 10  # FashionMNIST's test set is balanced
 
 
@@ -73,42 +75,43 @@ def test_a_failed_download_leaves_no_empty_folders(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not any((tmp_path / "mine").iterdir())
 
 
-def test_truncated_idx_is_refused(tmp_path):
-    path = write_idx(tmp_path / "t-idx3-ubyte", torch.zeros(4, 28, 28, dtype=torch.uint8))
-    path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(FatalError, match="truncated"):
-        idx.read_idx(path)
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_a_damaged_file_is_one_line(damage, tmp_path):
+    make_fake_fashion_mnist(tmp_path)
+    path = tmp_path / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-100] if damage == "truncated" else b"<html>not found</html>")
+    with pytest.raises(FatalError, match=f"cannot read FashionMNIST in {tmp_path}/FashionMNIST/raw .*delete that"):
+        load(tmp_path)
 
 
-def test_truncated_gzip_is_refused(tmp_path):
-    path = write_idx(tmp_path / "t-idx3-ubyte.gz", torch.zeros(4, 28, 28, dtype=torch.uint8))
+def test_a_damaged_debian_file_is_one_line(tmp_path, monkeypatch):
+    system = tmp_path / "usr-share"
+    make_fake_fashion_mnist(system, layout="flat", gz=True)
+    path = system / "train-images-idx3-ubyte.gz"
     path.write_bytes(path.read_bytes()[:-20])
-    with pytest.raises(FatalError, match="cannot read"):
-        idx.read_idx(path)
-
-
-def test_foreign_file_is_refused(tmp_path):
-    path = tmp_path / "t-idx3-ubyte.gz"
-    path.write_bytes(gzip.compress(b"<html>not found</html>"))
-    with pytest.raises(FatalError, match="not a uint8 IDX file"):
-        idx.read_idx(path)
+    monkeypatch.setattr(data, "SYSTEM_DIR", str(system))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FatalError, match="Debian's copy could not be unpacked there"):
+        data.locate_fashion_mnist(None)
+    assert not [p for p in (tmp_path / "data" / "FashionMNIST" / "raw").iterdir() if p.name.startswith("tmp")]
 
 
 def test_batches_match_torchvision_totensor(fake_data):
-    from torchvision.transforms.functional import to_tensor
-    from PIL import Image
+    """The quickstart's pipeline (torchvision's FashionMNIST with ToTensor, a DataLoader's default collate) and the
+    chapters' give the same batches, item for item."""
+    from torchvision.datasets import FashionMNIST
+    from torchvision.transforms import ToTensor
 
-    train = data.load_split(fake_data, "train", torch.device("cpu"))
-    raw = idx.read_idx(idx.find_split_files(fake_data, "train")[0])  # the uint8 images as the file holds them
+    train = load(fake_data)[0]
+    quickstart = FashionMNIST(fake_data, train=True, transform=ToTensor())
     sampler = DistributedSampler(train, num_replicas=1, rank=0, seed=1)
     loader = DataLoader(train, batch_size=100, sampler=sampler)  # the chapters' line
     batches = list(loader)
     assert [len(y) for _, y in batches] == [100, 100, 56] and len(loader) == 3  # the last partial batch is kept
-    x, y = batches[0]
-    first = next(iter(sampler))
-    reference = to_tensor(Image.fromarray(raw[first].numpy()))
-    assert x.dtype == torch.float32 and x.shape == (100, 1, 28, 28)
-    assert torch.equal(x[0], reference) and y[0] == train.labels[first]
+    reference = list(DataLoader(quickstart, batch_size=100, sampler=sampler))
+    for (x, y), (x_ref, y_ref) in zip(batches, reference):
+        assert x.dtype == torch.float32 and x.shape[1:] == (1, 28, 28)
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -134,7 +137,7 @@ def test_shard_sampler_covers_each_item_once(n, world):
 
 def test_loader_batches_follow_the_sampler_and_its_epoch(fake_data):
     """The chapters' DataLoader serves exactly the sampler's order, anew per epoch."""
-    train = data.load_split(fake_data, "train", torch.device("cpu"))
+    train = load(fake_data)[0]
     sampler = DistributedSampler(train, num_replicas=2, rank=1, seed=5)
     loader = DataLoader(train, batch_size=16, sampler=sampler)
     for epoch in (0, 1):
@@ -178,7 +181,7 @@ def test_the_ranks_of_one_machine_download_the_data_once(real_data, reference, t
     from conftest import REPO, SLICE, TORCHRUN
     from test_ddp import SAME_MODEL, _accuracy_lines
 
-    handler = type("Mirror", (_Mirror,), dict(folder=real_data, fetched={}))
+    handler = type("Mirror", (_Mirror,), dict(folder=data.Path(data.SYSTEM_DIR), fetched={}))  # Debian's .gz files
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     # Debian's .gz files hold the same images as the originals, compressed again: other bytes, so not the md5 sums

@@ -88,7 +88,7 @@ DETAIL_MESSAGE = (
 
 
 def test_detail_check_names_both_collectives():
-    from common.errors import explain
+    from common.cli import explain
 
     line = explain(RuntimeError(DETAIL_MESSAGE))
     assert line.startswith("collective mismatch: rank 1 runs collective #51 ALLREDUCE [267786] Float, rank 0 runs "

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.metrics import read_metrics
-from common.launch import free_port
+from scripts.plot_curves import read_metrics
+from common.ranks import free_port
 from conftest import (BASE_ENV, TORCHRUN, load_state, max_abs_diff, no_abort_at_exit, one_error_line, run_forked_cases,
                       run_script)
 
@@ -341,7 +341,7 @@ def test_full_disk_keeps_the_previous_snapshot(good_snapshot, real_data, small_d
 
 def test_read_only_disk(good_snapshot, real_data, small_disk, tmp_path):
     from common.checkpoint import atomic_save
-    from common.errors import FatalError
+    from common.cli import FatalError
 
     disk = small_disk("16m")
     snap = disk / "snap.pt"
@@ -379,7 +379,7 @@ BAD = [(s, flag, NEEDS.get(s, ([], {}))[1], None) for s in SCRIPTS for flag in C
     # ranks and world sizes
     ("ddp_tcp_manual.py", ["--rank", "2"], {}, "--rank 2 must be below --world-size 2"),
     ("ddp_tcp_manual.py", ["--world-size", "0"], {}, "--world-size"),
-    ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_PROCID="2"), "SLURM_PROCID=2 is not below SLURM_NTASKS=2"),
+    ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_STEP_ID=""), "not a task of an srun step"),
     ("ddp_mp.py", ["--nprocs", "0"], {}, "--nprocs"),
     ("ddp_launch.py", [], {}, "start this script with torchrun"),
     ("single_gpu.py", ["--save-every", "2"], {}, "--save-every needs --snapshot"),

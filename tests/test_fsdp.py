@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from common.metrics import read_metrics
+from scripts.plot_curves import read_metrics
 from conftest import (REPO, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, run_script,
                       slice_args, torchrun_script)
 from test_faults import TORCHRUN_ENV

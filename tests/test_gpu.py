@@ -20,7 +20,7 @@ import torch
 
 from dataparallel import DataParallel
 from pipeline import pipelining_missing
-from common.launch import free_port
+from common.ranks import free_port
 from conftest import BASE_ENV, REPO, TORCHRUN, Runs, load_state, max_abs_diff, one_error_line, run_script
 from test_faults import SLURM_ENV
 
@@ -282,12 +282,13 @@ GLOO_ON_ONE_GPU = textwrap.dedent("""
     import os, sys
     from datetime import timedelta
     import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from common.config import parse_config
-    from common.errors import one_line_errors, run_main
+    from common.cli import parse_config
+    from common.comm_hooks import COMM_HOOK
+    from common.cli import run_main, spawned
     from common.ranks import DistContext
     import ddp_mp
 
-    @one_line_errors
+    @spawned
     def worker(rank, cfg):
         torch.cuda.set_device(0)
         ctx = DistContext(rank=rank, local_rank=0, world_size=2, device=torch.device("cuda", 0))
@@ -298,7 +299,7 @@ GLOO_ON_ONE_GPU = textwrap.dedent("""
             dist.destroy_process_group()
 
     if __name__ == "__main__":
-        cfg = parse_config(sys.argv[1:])
+        cfg = parse_config(sys.argv[1:], comm_hook=COMM_HOOK)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
         run_main(lambda: mp.spawn(worker, args=(cfg,), nprocs=2))
 """)
@@ -449,10 +450,10 @@ NO_SYNC = textwrap.dedent("""
     import torch
     from torch.utils.data import DistributedSampler
     from common import engine
-    from common.config import Config
+    from common.cli import Config
     from torch.utils.data import DataLoader
     from common.data import load_fashion_mnist
-    from common.metrics import MetricsLog
+    from common.engine import MetricsLog
     from common.model import NeuralNetwork
     from common.ranks import DistContext
 
@@ -538,7 +539,7 @@ DATAPARALLEL_DTYPE = textwrap.dedent("""
     # Two replicas on two GPUs under --precision bf16's autocast: the dtype each replica's output comes back in.
     import torch
     from torch import nn
-    from common.config import Config
+    from common.cli import Config
     from common.engine import autocast
     from dataparallel import DataParallel
     from common.model import NeuralNetwork

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.torch_version import TorchVersion
 
-from common.errors import UsageError
-from common.launch import free_port
+from common.cli import UsageError
+from common.ranks import free_port
 from common.ranks import rank_device
 from conftest import BASE_ENV, REPO, run_forked
 
@@ -113,8 +113,8 @@ dist.barrier = lambda *args, **kwargs: None
 def all_gather_object(out, obj, group=None):
     out[:] = [obj] * len(out)
 dist.all_gather_object = all_gather_object
-load_split = common.data.load_split
-common.data.load_split = lambda folder, split, device: load_split(folder, split, torch.device("cpu"))
+load = common.data.load_fashion_mnist
+common.data.load_fashion_mnist = lambda cfg, device: load(cfg, torch.device("cpu"))
 torch.nn.Module.to = lambda self, *args, **kwargs: self
 class DDP:
     def __init__(self, module, device_ids=None, **kwargs):

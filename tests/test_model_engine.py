@@ -7,10 +7,11 @@ import torch
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common.config import Config
-from common.data import ShardSampler, TensorImages
+from common.cli import Config
+from common.data import ShardSampler, DeviceImages
 from common.engine import evaluate, train_one_epoch
-from common.metrics import MetricsLog, read_metrics
+from common.engine import MetricsLog
+from scripts.plot_curves import read_metrics
 from common.model import NeuralNetwork
 from common.ranks import DistContext
 
@@ -28,7 +29,7 @@ def _learnable_set(n=512, seed=0):
     images = torch.randint(0, 60, (n, 1, 28, 28), generator=g, dtype=torch.uint8)
     for i, k in enumerate(labels.tolist()):
         images[i, 0, 2 * k:2 * k + 3] = 255
-    return TensorImages(images, labels)
+    return DeviceImages(images, labels)
 
 
 def test_the_epoch_loop_learns_and_logs(tmp_path, capsys):

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pipeline import pipelining_missing
-from common.metrics import read_metrics
+from scripts.plot_curves import read_metrics
 from conftest import (REPO, SLICE, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, run_script,
                       slice_args, torchrun_script)
 from test_ddp import SAME_MODEL

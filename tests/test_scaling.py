@@ -46,7 +46,7 @@ for name, op in [("all_reduce", lambda: dist.all_reduce(buffer)),
     seconds[name] = time.perf_counter() - start
 print(json.dumps(dict(seconds, sum=buffer[0].item())), flush=True)
 dist.destroy_process_group()
-os._exit(0)  # as common.errors.end_process: no interpreter shutdown under gloo's threads
+os._exit(0)  # as common.cli.end_process: no interpreter shutdown under gloo's threads
 """
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.model import NeuralNetwork
-from common.metrics import read_metrics
+from scripts.plot_curves import read_metrics
 from conftest import assert_same_curves, load_state, max_abs_diff, run_script
 
 SLICE = ["--train-samples", "1280", "--test-samples", "500", "--epochs", "2", "--log-every", "5"]

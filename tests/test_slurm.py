@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.metrics import read_metrics
+from scripts.plot_curves import read_metrics
 from conftest import REPO, assert_same_curves, load_state, max_abs_diff, no_abort_at_exit, slice_args
 
 # The CPU-only overrides README gives: one node, 2 tasks of one core each, no GPUs.

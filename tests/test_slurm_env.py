@@ -1,10 +1,14 @@
 """Chapter 6 without a cluster: the SLURM environment, the job's first node, and the errors outside SLURM."""
+import json
+import subprocess
+import sys
+
 import pytest
 
-from common.errors import FatalError, UsageError
+from common.cli import FatalError
 from common.ranks import cpu_threads
-from common.slurm import check_srun_task, slurm_master
-from conftest import fake_scontrol, run_script
+from conftest import BASE_ENV, REPO, fake_scontrol, run_script
+from ddp_slurm import first_node
 
 TASK = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1",
             SLURM_JOB_NODELIST="localhost,gpu[02-03]")
@@ -21,52 +25,45 @@ def task_env(monkeypatch, tmp_path):
     return monkeypatch
 
 
-def test_the_master_is_the_first_node_on_a_port_from_the_job_id(task_env):
-    check_srun_task()  # a good task environment passes
-    assert slurm_master() == ("localhost", 24242)  # the same in every task of the job
+# An init_process_group that prints what the chapter asked it for, and ends the process there.
+RECORD_INIT = """import json, os, torch.distributed
+def init_process_group(backend=None, **kwargs):
+    print("init " + json.dumps(dict(init_method=kwargs["init_method"], rank=kwargs["rank"],
+                                    world_size=kwargs["world_size"])), flush=True)
+    os._exit(0)
+torch.distributed.init_process_group = init_process_group
+"""
 
 
-def test_master_addr_and_port_override(task_env):
-    task_env.setenv("MASTER_ADDR", "127.0.0.1")
-    task_env.setenv("MASTER_PORT", "29555")
-    assert slurm_master() == ("127.0.0.1", 29555)
+def _rendezvous(tmp_path, **env):
+    """What ddp_slurm.py, in this environment, passes to init_process_group."""
+    (tmp_path / "sitecustomize.py").write_text(RECORD_INIT)
+    proc = subprocess.run([sys.executable, "ddp_slurm.py", "--device", "cpu"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=dict(BASE_ENV, PYTHONPATH=str(tmp_path), **env))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.split("init ", 1)[1])
 
 
-@pytest.mark.parametrize("change,error,needle", [
-    (dict(SLURM_JOB_ID=None), UsageError, "sbatch scripts/job.sh"),
-    (dict(SLURM_PROCID=None), UsageError, "SLURM_PROCID not set"),
-    (dict(SLURM_STEP_ID=None), UsageError, "srun python ddp_slurm.py"),
-    (dict(SLURM_NTASKS="two"), UsageError, "cannot read the SLURM environment"),
-    (dict(SLURM_PROCID="4"), UsageError, "SLURM_PROCID=4 is not below SLURM_NTASKS=4"),
-])
-def test_bad_slurm_environments_say_why(task_env, change, error, needle):
-    for name, value in change.items():
-        if value is None:
-            task_env.delenv(name)
-        else:
-            task_env.setenv(name, value)
-    with pytest.raises(error, match=needle.replace("[", r"\[")):
-        check_srun_task()
+def test_the_ranks_meet_on_the_first_node_on_a_port_from_the_job_id(tmp_path):
+    env = dict(TASK, PATH=fake_scontrol(tmp_path / "bin"))
+    assert _rendezvous(tmp_path, **env) == dict(init_method="tcp://localhost:24242", rank=3, world_size=4)
+    assert _rendezvous(tmp_path, **env, MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")["init_method"] == \
+        "tcp://127.0.0.1:29555"  # both override
+
+
+def test_the_first_node_is_slurms_expansion(task_env):
+    assert first_node("localhost,gpu[02-03]") == "localhost"
 
 
 def test_a_host_list_scontrol_cannot_read_is_named(task_env):
-    task_env.setenv("SLURM_JOB_NODELIST", "gpu[01")
     with pytest.raises(FatalError, match=r"`scontrol show hostnames gpu\[01` failed \(scontrol: error: Unable to create"):
-        slurm_master()
+        first_node("gpu[01")
 
 
 def test_without_scontrol_master_addr_is_named(task_env):
     task_env.setenv("PATH", "/nonexistent")
     with pytest.raises(FatalError, match="cannot run `scontrol show hostnames`.*set MASTER_ADDR"):
-        slurm_master()
-    task_env.setenv("MASTER_ADDR", "127.0.0.1")
-    assert slurm_master() == ("127.0.0.1", 24242)
-
-
-def test_an_unresolvable_head_node_is_named(task_env):
-    task_env.setenv("SLURM_JOB_NODELIST", "no-such-node.invalid,gpu1")
-    with pytest.raises(FatalError, match="head node 'no-such-node.invalid' .* does not resolve"):
-        slurm_master()
+        first_node("localhost")
 
 
 def test_threads_follow_the_cores_this_rank_may_use(monkeypatch):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from common.metrics import read_metrics
+from scripts.plot_curves import read_metrics
 from conftest import assert_same_curves, load_state, max_abs_diff, slice_args
 from scripts.netns import IFNAME, TwoMachines, why_not
 from test_ddp import SAME_MODEL

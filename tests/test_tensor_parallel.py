@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from common.metrics import read_metrics
+from scripts.plot_curves import read_metrics
 from conftest import REPO, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, slice_args, torchrun_script
 from test_ddp import SAME_MODEL
 from test_faults import TORCHRUN_ENV

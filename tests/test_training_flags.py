@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from common.metrics import read_metrics
+from scripts.plot_curves import read_metrics
 from conftest import (BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line,
                       run_forked_cases, run_script, slice_args)
 from test_ddp import SAME_MODEL, _accuracy_lines, launch

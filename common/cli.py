@@ -1,0 +1,233 @@
+"""The command line every chapter shares: its flags in (one dataclass, built by argparse), and how a run ends."""
+import argparse
+import ctypes
+import functools
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+class FatalError(Exception):
+    """A problem the user can fix (missing data, a bad path, an unreachable rank 0): its message names the fix."""
+
+    exit_code = 1
+
+
+class UsageError(FatalError):
+    """A flag or launch that cannot work (a batch that does not split over the ranks, say): exit 2."""
+
+    exit_code = 2
+
+
+def _number(kind, ok, words):
+    """An argparse type: text as kind (int or float) for which ok(value) holds, else one line with words."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):  # `not ok` also refuses nan
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
+        return value
+
+    return parse
+
+
+POSITIVE = _number(int, lambda v: v >= 1, "a positive integer")
+NON_NEGATIVE = _number(int, lambda v: v >= 0, "an integer >= 0")
+REQUIRED = object()  # the default of a chapter flag that must be given
+
+
+def device_type(text):
+    """--device's type: cpu, or a GPU this machine has (cuda, cuda:N)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device of this tutorial; use cpu, cuda or cuda:N")
+    if text != "cpu" and (torch.device(text).index or 0) >= torch.cuda.device_count():  # no GPU: the count is 0
+        raise argparse.ArgumentTypeError(f"{text} but {torch.cuda.device_count()} GPU(s) are visible here (check "
+                                         f"CUDA_VISIBLE_DEVICES, nvidia-smi); use --device cpu")
+    return text
+
+
+def flag(default, kind, text, check=None):
+    """A flag: its default, type (its choices, or bool for a switch) and --help text; check(cfg) says why the flags
+    cannot work together, or None."""
+    return field(default=default, metadata=dict(kind=kind, text=text, check=check))
+
+
+@dataclass
+class Config:
+    """Everything a run depends on; every chapter takes these flags (and its own, which parse_config adds)."""
+
+    epochs: int = flag(5, POSITIVE, "passes over the training set (the quickstart's 5 reach ~64%% test accuracy)")
+    batch_size: int = flag(64, POSITIVE, "GLOBAL batch, split evenly over the ranks: the same model at any world size")
+    lr: float = flag(1e-3, _number(float, lambda v: v > 0, "a positive number"), "SGD learning rate (the quickstart's)")
+    momentum: float = flag(0.0, _number(float, lambda v: 0 <= v < 1, "at least 0 and below 1"),
+                           "SGD momentum (0: the quickstart's plain SGD; above 0 the optimizer has state to save)")
+    seed: int = flag(0, int, "seed for the weights and the shuffling: the same seed and batch, the same model")
+    data_dir: Optional[str] = flag(None, str, "the folder torchvision reads FashionMNIST from (default ./data)")
+    device: Optional[str] = flag(None, device_type, "cpu or cuda; cuda:N in chapters 1-2 (default cuda if visible)")
+    output: Optional[str] = flag(None, str, "folder for model.pth and metrics.jsonl (default runs/<script name>)")
+    train_samples: Optional[int] = flag(None, POSITIVE, "train on the first N images only (quick runs, tests)")
+    test_samples: Optional[int] = flag(None, POSITIVE, "evaluate on the first N test images only")
+    log_every: int = flag(100, POSITIVE, "steps between loss lines, as in the quickstart")
+    timeout: float = flag(120.0, _number(float, lambda v: v > 0, "a positive number"),
+                          "seconds a rendezvous or collective may wait: a missing peer fails, never hangs")
+    snapshot: Optional[str] = flag(None, str, "snapshot file (a folder in chapters 7, 9, 10): resume from it, save to it")
+    save_every: int = flag(1, POSITIVE, "epochs between snapshots (needs --snapshot)")
+    accum_steps: int = flag(1, POSITIVE, "micro-batches summed per optimizer step; the global batch stays --batch-size")
+    precision: str = flag("fp32", ("fp32", "bf16", "fp16"), "fp32; bf16 autocast; fp16 autocast with a GradScaler")
+    compile: bool = flag(False, bool, "torch.compile the model (it needs a C compiler: g++ on CPUs, gcc for Triton)")
+
+    def describe(self):
+        """One line with the settings that matter, for the top of the log (those left at the quickstart's left out)."""
+        quiet = {"momentum": 0.0, "accum_steps": 1, "precision": "fp32", "compile": False, "comm_hook": "none"}
+        quiet |= {"snapshot": None, "save_every": self.save_every} if self.snapshot is None else {}
+        return "Config: " + " ".join(f"{k}={v}" for k, v in vars(self).items() if not (
+            k in quiet and v == quiet[k] or k not in FIELDS and (v is None or v is False)))
+
+
+FIELDS = [f.name for f in fields(Config)]
+# The chapters' own flags: given to another chapter, one line says which chapters take it.
+TAKEN_BY = {"nprocs": "ddp_mp.py", "init-method": "ddp_tcp_manual.py", "rank": "ddp_tcp_manual.py",
+            "world-size": "ddp_tcp_manual.py", "local-rank": "ddp_tcp_manual.py", "schedule": "pipeline.py",
+            "microbatches": "pipeline.py", "dp": "tensor_parallel.py", "bug": "debug_hang.py", "fix": "debug_hang.py",
+            "comm-hook": "the DDP chapters (ddp_launch.py, ddp_mp.py, ddp_tcp_manual.py, ddp_slurm.py)"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage block) and exits 2, naming a chapter flag's chapters."""
+
+    def error(self, message):
+        found = re.findall(r"--([\w-]+)", message) if message.startswith("unrecognized arguments") else []
+        message += "".join(f"; --{name} is a flag of {TAKEN_BY[name]} only" for name in found if name in TAKEN_BY)
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_config(argv=None, description=None, **chapter_flags):
+    """The command line (sys.argv by default) as a Config, with the chapter's own flags (flag(...)) as attributes."""
+    parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, f in [*((f.name, f) for f in fields(Config)), *chapter_flags.items()]:
+        kind, default, dashed = f.metadata["kind"], f.default, "--" + name.replace("_", "-")
+        shown = f" (default {default})" if default is not None and default is not REQUIRED and kind is not bool else ""
+        parser.add_argument(dashed, **dict(action="store_true") if kind is bool else dict(
+            choices=kind) if isinstance(kind, tuple) else dict(type=kind), help=f.metadata["text"] + shown,
+                            required=default is REQUIRED, default=None if default is REQUIRED else default)
+    given = vars(parser.parse_args(argv))
+    cfg = Config(**{name: given.pop(name) for name in FIELDS})
+    vars(cfg).update(given)  # the chapter's own flags
+    if cfg.batch_size % cfg.accum_steps:
+        parser.error(f"--batch-size {cfg.batch_size} must split into --accum-steps {cfg.accum_steps} equal "
+                     f"micro-batches; use a multiple of {cfg.accum_steps}")
+    if cfg.save_every != 1 and cfg.snapshot is None:
+        parser.error("--save-every needs --snapshot FILE (the file to save to and resume from)")
+    for why in (f.metadata["check"](cfg) for f in chapter_flags.values() if f.metadata["check"]):
+        if why:
+            parser.error(why)
+    cfg.output = cfg.output or str(Path("runs") / Path(sys.argv[0]).stem)
+    return cfg
+
+
+def check_fsdp2(cfg, script, sharded_over, uses_fsdp2=True):
+    """What sharded weights refuse (fsdp.py; tensor_parallel.py, FSDP2 at --dp 2+), in one line and exit 2, before
+    any rendezvous: fp16, fewer test images than the ranks FSDP2 shards over, a torch whose FSDP2 cannot run here."""
+    if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
+        raise UsageError(f"{script} trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
+                         f"gradient slices for overflow, which this chapter does not have: use --precision bf16")
+    if cfg.test_samples is not None and cfg.test_samples < sharded_over:  # a rank with no test image: no forward()
+        raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {sharded_over} ranks: under FSDP every "
+                         f"rank must run every test batch (forward() gathers the weights); use at least {sharded_over}")
+    on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
+    if uses_fsdp2 and on_cpu and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
+        raise UsageError(f"{script} on the CPU needs torch 2.7 or later, whose CPU streams FSDP2 can time its "
+                         f"gathers with (torch.cpu.Stream.record_event); this is torch {torch.__version__}: upgrade "
+                         f"torch, or run {script} on GPUs")
+
+
+def flag_text(name, value):
+    """A setting as the flag that gives it: "--batch-size 48", or "no --train-samples" for one that is unset."""
+    return f"no --{name.replace('_', '-')}" if value is None else f"--{name.replace('_', '-')} {value}"
+
+
+# ---- How a run ends: one line for what is recognised, Python's traceback for anything else ----
+
+# torch's messages recognised by their words, each explained in one line that names the fix torch's own text does
+# not (seen on torch 2.14.1; Triton's on 2.11). The distributed chapters add theirs (ranks.name_rank_in_errors).
+EXPLAINED = [
+    # --compile on the CPU: Inductor builds its kernels with the C++ compiler in $CXX (default g++).
+    (r"No working C\+\+ compiler found", lambda m: "--compile needs a working C++ compiler to build its CPU kernels "
+     "(g++, or the one $CXX names) and found none: install one (`apt-get install g++`, as `make tools` does), or run "
+     "without --compile"),
+    # --compile on a GPU: Triton builds a small C launcher with the C compiler in $CC (else gcc or clang) and Python's
+    # headers; with no compiler it says so, and a failed build ends in the compiler's command (its error is above).
+    (r"Failed to find C\+?\+? compiler", lambda m: "--compile on a GPU needs a C compiler: Triton builds its kernel "
+     "launcher with gcc (or $CC) and Python's headers, and found no compiler; install them (`apt-get install gcc "
+     "python3-dev`), or run without --compile"),
+    (r"Command '\['([^']+)', '[^']+\.c', '-O3', '-shared'.*returned non-zero exit status", lambda m: "--compile on a "
+     f"GPU: Triton could not build its kernel launcher with {m[1]} (the compiler's error is above; most often Python.h "
+     "is missing): install Python's headers (`apt-get install python3-dev`), or run without --compile"),
+]
+RANK = [None]  # this process's global rank where there are several, for the [rank N] prefix
+
+
+def explain(error):
+    """The one line for an error this tutorial recognises (its own, or torch's with the fix), else None."""
+    if isinstance(error, FatalError):
+        return " ".join(str(error).split())
+    return next((say(m) for pattern, say in EXPLAINED for m in [re.search(pattern, str(error))] if m), None)
+
+
+def stop(error, rank=None):
+    """End the process for an error: a recognised one in one line, anything else with Python's traceback first."""
+    rank, line, shown = RANK[0] if rank is None else rank, explain(error), ""
+    if line is None:  # not recognised: its whole message and where it came from, as `python` prints them
+        shown = "".join(traceback.format_exception(error))
+        line = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]} (the traceback above)"
+    prefix = f"[rank {rank}] " if rank is not None and not line.startswith("[rank") else ""
+    sys.stderr.write(f"{shown}error: {prefix}{line}\n")  # one write: other ranks' lines cannot land inside it
+    end_process(getattr(error, "exit_code", 1))
+
+
+def end_process(code):
+    """Flush what was printed, then end with code at once: no interpreter shutdown, where a thread of torch's (gloo's)
+    asking for the GIL is ended by pthread_exit and aborts the process (pytorch/pytorch#179291)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that left, a closed stream: nothing more can be shown
+            pass
+    ctypes.CDLL(None).fflush(None)  # C's stdio too (NCCL's and gloo's own lines)
+    os._exit(code)
+
+
+def spawned(fn):
+    """Decorator for an mp.spawn worker fn(rank, ...): its error ends it as run_main ends a chapter (stop)."""
+    @functools.wraps(fn)
+    def worker(rank, *args):
+        try:
+            fn(rank, *args)
+        except Exception as e:
+            stop(e, rank)
+        end_process(0)  # not back into spawn, whose sys.exit would shut the interpreter down (see end_process)
+
+    return worker
+
+
+def run_main(main):
+    """Run a chapter's main(): an error ends it through stop(), Ctrl-C with 130, every way out in end_process."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        end_process(130)
+    except BrokenPipeError:  # `python single_gpu.py | head`: the reader left; stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the last flush cannot fail
+        end_process(141)
+    except Exception as e:
+        stop(e)
+    end_process(0)
