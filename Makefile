@@ -19,14 +19,15 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-# Debian's dataset-fashion-mnist package holds the real files, so no internet is needed.
-# Without apt-get, the scripts fall back to ./data or torchvision's download.
-data:
+# Debian's dataset-fashion-mnist package holds the real files, so no internet is needed: unpacked into ./data, where
+# torchvision's FashionMNIST reads them. Without apt-get, the scripts' first run downloads them there.
+data: $(VENV)/.installed
 	@if [ -f $(DATA_PKG) ]; then :; \
 	elif command -v apt-get >/dev/null; then \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends dataset-fashion-mnist) \
-		|| echo "note: could not install dataset-fashion-mnist; the scripts will look in ./data or download"; \
-	else echo "note: no apt-get; the scripts will look in ./data or download FashionMNIST"; fi
+		|| echo "note: could not install dataset-fashion-mnist; the scripts will download FashionMNIST"; \
+	else echo "note: no apt-get; the scripts will download FashionMNIST"; fi
+	@[ ! -f $(DATA_PKG) ] || $(PY) -m common.data
 
 # The two-machine tests build network namespaces with iproute2's `ip`; --compile on the CPU builds its kernels with
 # g++ and Python's headers; the SLURM tests install SLURM themselves.

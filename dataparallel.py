@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.cli import parse_config, run_main
-from common.data import ShardSampler, load_fashion_mnist
+from common.data import load_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
 from common.ranks import DistContext, choose_device, print0
@@ -38,7 +38,7 @@ def train(cfg, ctx):
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // cfg.accum_steps, sampler=train_sampler)
-    test_loader = DataLoader(test_set, batch_size=1000, sampler=ShardSampler(test_set))
+    test_loader = DataLoader(test_set, batch_size=1000)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)

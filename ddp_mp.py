@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
 from common.cli import POSITIVE, flag, parse_config, run_main, spawned
 from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
-from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
 from common.ranks import (DistContext, all_gather_flags, check_global_batch, default_nprocs, free_port,
@@ -74,7 +74,7 @@ def train(cfg, ctx):
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
                               sampler=train_sampler)
-    test_loader = DataLoader(test_set, batch_size=1000, sampler=ShardSampler(test_set, ctx.rank, ctx.world_size))
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)

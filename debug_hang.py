@@ -57,11 +57,11 @@ from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.torch_version import TorchVersion
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
 
 from common.checkpoint import prepare_output, save_weights
 from common.cli import REQUIRED, UsageError, flag, parse_config, run_main
-from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
+from common.data import DeviceImages, load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
 from common.ranks import (DistContext, all_gather_flags, all_reduce_sum, check_global_batch, name_rank_in_errors,
@@ -191,14 +191,15 @@ def train(cfg, bug, fix, ctx, output, watch):
     dist.barrier()  # ... while the machine's other ranks wait here; then every rank reads it
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     if bug == "uneven-batches" and cfg.train_samples is None:  # one image more than whole global batches
-        train_set = train_set.head(cfg.batch_size * ((len(train_set) - 1) // cfg.batch_size) + 1)
+        n = cfg.batch_size * ((len(train_set) - 1) // cfg.batch_size) + 1
+        train_set = DeviceImages(train_set.images[:n], train_set.labels[:n])
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     if bug == "uneven-batches":
         train_sampler = StrideSampler(train_set, ctx.rank, ctx.world_size, cfg.seed)  # BUG: no padding
     else:
         train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // ctx.world_size, sampler=train_sampler)
-    test_loader = DataLoader(test_set, batch_size=1000, sampler=ShardSampler(test_set, ctx.rank, ctx.world_size))
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000)
     print(f"[rank {ctx.rank}] {len(train_sampler)} training images, {len(train_loader)} batches\n", end="", flush=True)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter

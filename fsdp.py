@@ -18,13 +18,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.checkpoint import (StopAtTimeLimit, atomic_save, find_sharded_snapshot, finish_sharded_snapshot,
                                flat_optimizer_options, prepare_output, print_resumed, sharded_snapshot_due,
                                sharded_snapshot_errors)
 from common.cli import check_fsdp2, parse_config, run_main
-from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
 from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker, name_rank_in_errors,
@@ -75,8 +75,8 @@ def train(cfg, ctx):
                               sampler=train_sampler)
     # Every forward() all-gathers (a collective): test batches sized from the largest shard, as many on every rank.
     largest = math.ceil(len(test_set) / ctx.world_size)
-    test_loader = DataLoader(test_set, batch_size=math.ceil(largest / math.ceil(largest / 1000)),
-                             sampler=ShardSampler(test_set, ctx.rank, ctx.world_size))
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)),
+                             batch_size=math.ceil(largest / math.ceil(largest / 1000)))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
 from common.cli import POSITIVE, UsageError, flag, parse_config, run_main
-from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, autocast, print_epoch_line, print_loss_line, print_test_lines, synchronize
 from common.model import NeuralNetwork
 from common.ranks import (DistContext, all_gather_flags, check_torchrun_worker, name_rank_in_errors, print0,
@@ -81,7 +81,7 @@ def train(cfg, ctx):
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=train_sampler)
-    test_loader = DataLoader(test_set, batch_size=cfg.batch_size, sampler=ShardSampler(test_set))
+    test_loader = DataLoader(test_set, batch_size=cfg.batch_size)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)

@@ -20,11 +20,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
 from common.cli import POSITIVE, UsageError, check_fsdp2, flag, parse_config, run_main
-from common.data import ShardSampler, load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
 from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker, name_rank_in_errors,
@@ -95,8 +95,8 @@ def train(cfg, ctx):
     # Every forward() is collective (tp: an all-reduce per layer pair; dp: FSDP2's gathers), so every rank runs as many
     # test batches: sized from the largest shard (row 0's), they come out the same number in every row.
     largest = math.ceil(len(test_set) / cfg.dp)
-    test_loader = DataLoader(test_set, batch_size=math.ceil(largest / math.ceil(largest / 1000)),
-                             sampler=ShardSampler(test_set, dp_rank, cfg.dp))
+    test_loader = DataLoader(Subset(test_set, range(dp_rank, len(test_set), cfg.dp)),
+                             batch_size=math.ceil(largest / math.ceil(largest / 1000)))
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)

@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 import threading
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from common.ranks import all_reduce_sum, print0
 
 SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v2"
 SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v2"  # v2: the optimizer state flattened
-SHARDED_FIX = FIX = "delete it to start afresh, or pass another --snapshot"
+FIX = "delete it to start afresh, or pass another --snapshot"
 # The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones. The
 # world size, device, data folder, --epochs and --accum-steps may change (the same global batch trains the same
 # model); --precision and --comm-hook may not (bf16 steps are not fp32 steps).
@@ -38,20 +37,19 @@ def prepare_output(folder, flag="--output"):
 
 def atomic_save(obj, path):
     """torch.save to a temporary file beside path, fsync, then rename: a crash never leaves half a file."""
-    path, buffer, tmp = Path(path), io.BytesIO(), None
+    path, buffer = Path(path), io.BytesIO()
     torch.save(obj, buffer)  # in memory first: a full disk is then write()'s plain OSError, not torch's zip error
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # this process's own
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        raise FatalError(f"cannot write {path}: {e.strerror}; free some space or write to another folder "
-                         f"(--output / --snapshot)") from None
+        tmp.unlink(missing_ok=True)
+        raise FatalError(f"cannot write {path}: {e.strerror}; free some space or pass another --output / --snapshot") \
+            from None
 
 
 def save_weights(model, path):
@@ -67,34 +65,25 @@ def snapshot_due(epochs_done, cfg):
 def on_rank0_then_all_reduce(write, ctx, what):
     """Rank 0 runs write(); an all-reduce of the ranks' success flags then stops every rank if it failed."""
     error = None
-    if ctx.is_main:
-        try:
+    try:
+        if ctx.is_main:
             write()
-        except (FatalError, OSError) as e:
-            error = e if isinstance(e, FatalError) else FatalError(f"cannot {what}: {e}")
-    (written,) = all_reduce_sum([error is None], ctx)
-    if error is not None:
-        raise error
-    if written < ctx.world_size:
-        raise FatalError(f"rank 0 could not {what} (see its error)")
+    except (FatalError, OSError) as e:
+        error = e if isinstance(e, FatalError) else FatalError(f"cannot {what}: {e}")
+    if all_reduce_sum([error is None], ctx)[0] < ctx.world_size:
+        raise error or FatalError(f"rank 0 could not {what} (see its error)")
 
 
 def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=None):
-    """With --snapshot, when due: rank 0 writes the snapshot file; every rank learns whether it could (all-reduce).
-    hook_state: a DDP communication hook's (PowerSGD's), which gathers every rank's own part itself."""
-    if not snapshot_due(epochs_done, cfg):
-        return
-    hook = hook_state.all_gather(ctx) if hook_state else None
-
-    def write():
-        atomic_save(dict(format=SNAPSHOT_FORMAT, epochs_done=epochs_done,
-                         config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS},
-                         model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
-                         optimizer=optimizer.state_dict(),
-                         scaler=scaler.state_dict() if scaler else None,  # fp16's loss scale
-                         comm_hook=hook), cfg.snapshot)
-
-    on_rank0_then_all_reduce(write, ctx, f"write the snapshot {cfg.snapshot}")
+    """With --snapshot, when due, rank 0 writes the file (every rank learns whether it could); hook_state: a DDP
+    communication hook's (PowerSGD's), which gathers every rank's own part itself."""
+    if snapshot_due(epochs_done, cfg):
+        hook = hook_state.all_gather(ctx) if hook_state else None
+        on_rank0_then_all_reduce(lambda: atomic_save(dict(
+            format=SNAPSHOT_FORMAT, epochs_done=epochs_done, config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS},
+            model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
+            optimizer=optimizer.state_dict(), scaler=scaler.state_dict() if scaler else None,  # fp16's loss scale
+            comm_hook=hook), cfg.snapshot), ctx, f"write the snapshot {cfg.snapshot}")
 
 
 def read_snapshot(path, kind, device="cpu"):
@@ -111,14 +100,12 @@ def read_snapshot(path, kind, device="cpu"):
 
 def check_resumable(about, cfg, where):
     """A snapshot made with these trajectory flags and epochs done can continue this run; else one line saying why."""
-    made_with = {"precision": "fp32", "momentum": 0.0, "comm_hook": "none", **about["config"]}
+    made_with, epochs_done = about["config"], about["epochs_done"]
     ours = {name: getattr(cfg, name, "none") for name in TRAJECTORY_FLAGS}  # a chapter without --comm-hook: none
-    epochs_done = about["epochs_done"]
     different = [name for name in TRAJECTORY_FLAGS if made_with.get(name) != ours[name]]
     if different:
-        theirs = " ".join(flag_text(n, made_with.get(n)) for n in different)
-        ours = " ".join(flag_text(n, ours[n]) for n in different)
-        raise FatalError(f"snapshot {where} was made with {theirs}, this run has {ours}; resume with the "
+        raise FatalError(f"snapshot {where} was made with {' '.join(flag_text(n, made_with.get(n)) for n in different)}"
+                         f", this run has {' '.join(flag_text(n, ours[n]) for n in different)}; resume with the "
                          f"snapshot's flags, or {FIX}")
     if epochs_done > cfg.epochs:
         raise FatalError(f"snapshot {where} has {epochs_done} epochs done, more than --epochs {cfg.epochs}; pass "
@@ -126,13 +113,11 @@ def check_resumable(about, cfg, where):
 
 
 def load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state=None):
-    """With --snapshot FILE and FILE there: load it into model, optimizer (and the hook's state), return the epochs it
-    holds; else 0."""
-    if not cfg.snapshot:
-        return 0
-    path = Path(cfg.snapshot)
-    prepare_output(path.parent, "--snapshot")  # fail now, not after the first epoch
-    if not path.exists():
+    """With --snapshot FILE there: it loaded into model, optimizer (and the hook's state); the epochs it holds, or 0."""
+    path = Path(cfg.snapshot or ".")
+    if cfg.snapshot:
+        prepare_output(path.parent, "--snapshot")  # fail now, not after the first epoch
+    if not cfg.snapshot or not path.exists():
         return 0
     snapshot = read_snapshot(path, SNAPSHOT_FORMAT, ctx.device)
     check_resumable(snapshot, cfg, path)
@@ -156,18 +141,16 @@ def print_resumed(ctx, where, epochs_done, cfg):
 
 
 class StopAtTimeLimit:
-    """SIGUSR1, which SLURM sends ahead of a job's time limit (scripts/job.sh: --signal=B:USR1@180): the ranks stop
-    after the epoch it came in, once a --snapshot holds it, and the requeued job resumes from there. Made before the
-    first epoch, in the main thread (it installs the handler)."""
+    """SIGUSR1, which SLURM sends ahead of a job's time limit (scripts/job.sh): the ranks stop after the epoch it came
+    in, once a --snapshot holds it, and the requeued job resumes there. Made in the main thread (a signal handler)."""
 
     def __init__(self):
         self.warned = threading.Event()
         signal.signal(signal.SIGUSR1, lambda signum, frame: self.warned.set())
 
     def any_rank_warned(self, epochs_done, cfg, ctx):
-        """After each epoch, an all-reduce of every rank's warning: True (and one line) when any rank was warned and
-        a snapshot holds this epoch, so all ranks stop after the same epoch, or none (without --snapshot: none)."""
-        (warned,) = all_reduce_sum([self.warned.is_set()], ctx)
+        """After each epoch (an all-reduce): True, and one line, when any rank was warned and a snapshot holds it."""
+        warned = all_reduce_sum([self.warned.is_set()], ctx)[0]
         if warned and snapshot_due(epochs_done, cfg) and epochs_done < cfg.epochs:
             print0(ctx, f"Stopping after epoch {epochs_done} of {cfg.epochs} (SIGUSR1: the time limit is near); "
                         f"{cfg.snapshot} holds it")
@@ -189,7 +172,7 @@ def sharded_snapshot_due(epochs_done, cfg):
 
 
 @contextlib.contextmanager
-def sharded_snapshot_errors(what, fix=SHARDED_FIX):
+def sharded_snapshot_errors(what, fix=FIX):
     """Around dcp.save / dcp.load: torch's CheckpointException (on every rank when any failed) as one line."""
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -1,5 +1,6 @@
 """The command line every chapter shares: its flags in (one dataclass, built by argparse), and how a run ends."""
 import argparse
+import contextlib
 import ctypes
 import functools
 import os
@@ -26,16 +27,13 @@ class UsageError(FatalError):
 
 
 def _number(kind, ok, words):
-    """An argparse type: text as kind (int or float) for which ok(value) holds, else one line with words."""
+    """An argparse type: text as kind (int or float; else argparse's own line) for which ok(value) holds."""
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):  # `not ok` also refuses nan
+        if not ok(kind(text)):  # `not ok` also refuses nan
             raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
-        return value
+        return kind(text)
 
+    parse.__name__ = kind.__name__  # argparse's line for text that is no number: "invalid int value: 'two'"
     return parse
 
 
@@ -46,11 +44,10 @@ REQUIRED = object()  # the default of a chapter flag that must be given
 
 def device_type(text):
     """--device's type: cpu, or a GPU this machine has (cuda, cuda:N)."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device of this tutorial; use cpu, cuda or cuda:N")
-    if text != "cpu" and (torch.device(text).index or 0) >= torch.cuda.device_count():  # no GPU: the count is 0
-        raise argparse.ArgumentTypeError(f"{text} but {torch.cuda.device_count()} GPU(s) are visible here (check "
-                                         f"CUDA_VISIBLE_DEVICES, nvidia-smi); use --device cpu")
+    gpus = torch.cuda.device_count()  # 0 where no GPU is visible
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text) or text != "cpu" and (torch.device(text).index or 0) >= gpus:
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu, or cuda or cuda:N of the {gpus} GPU(s) visible here "
+                                         f"(check CUDA_VISIBLE_DEVICES, nvidia-smi)")
     return text
 
 
@@ -85,27 +82,17 @@ class Config:
     compile: bool = flag(False, bool, "torch.compile the model (it needs a C compiler: g++ on CPUs, gcc for Triton)")
 
     def describe(self):
-        """One line with the settings that matter, for the top of the log (those left at the quickstart's left out)."""
-        quiet = {"momentum": 0.0, "accum_steps": 1, "precision": "fp32", "compile": False, "comm_hook": "none"}
-        quiet |= {"snapshot": None, "save_every": self.save_every} if self.snapshot is None else {}
-        return "Config: " + " ".join(f"{k}={v}" for k, v in vars(self).items() if not (
-            k in quiet and v == quiet[k] or k not in FIELDS and (v is None or v is False)))
+        """One line with every setting (the chapter's own flags last), for the top of the log."""
+        return "Config: " + " ".join(f"{k}={v}" for k, v in vars(self).items())
 
 
 FIELDS = [f.name for f in fields(Config)]
-# The chapters' own flags: given to another chapter, one line says which chapters take it.
-TAKEN_BY = {"nprocs": "ddp_mp.py", "init-method": "ddp_tcp_manual.py", "rank": "ddp_tcp_manual.py",
-            "world-size": "ddp_tcp_manual.py", "local-rank": "ddp_tcp_manual.py", "schedule": "pipeline.py",
-            "microbatches": "pipeline.py", "dp": "tensor_parallel.py", "bug": "debug_hang.py", "fix": "debug_hang.py",
-            "comm-hook": "the DDP chapters (ddp_launch.py, ddp_mp.py, ddp_tcp_manual.py, ddp_slurm.py)"}
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage block) and exits 2, naming a chapter flag's chapters."""
+    """argparse that reports a bad flag in one line (no usage block) and exits 2."""
 
     def error(self, message):
-        found = re.findall(r"--([\w-]+)", message) if message.startswith("unrecognized arguments") else []
-        message += "".join(f"; --{name} is a flag of {TAKEN_BY[name]} only" for name in found if name in TAKEN_BY)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -113,10 +100,11 @@ def parse_config(argv=None, description=None, **chapter_flags):
     """The command line (sys.argv by default) as a Config, with the chapter's own flags (flag(...)) as attributes."""
     parser = _Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, f in [*((f.name, f) for f in fields(Config)), *chapter_flags.items()]:
-        kind, default, dashed = f.metadata["kind"], f.default, "--" + name.replace("_", "-")
-        shown = f" (default {default})" if default is not None and default is not REQUIRED and kind is not bool else ""
-        parser.add_argument(dashed, **dict(action="store_true") if kind is bool else dict(
-            choices=kind) if isinstance(kind, tuple) else dict(type=kind), help=f.metadata["text"] + shown,
+        kind, default = f.metadata["kind"], f.default
+        how = dict(action="store_true") if kind is bool else dict(choices=kind) if isinstance(kind, tuple) else dict(
+            type=kind)
+        shown = "" if default is None or default is REQUIRED or kind is bool else f" (default {default})"
+        parser.add_argument("--" + name.replace("_", "-"), **how, help=f.metadata["text"] + shown,
                             required=default is REQUIRED, default=None if default is REQUIRED else default)
     given = vars(parser.parse_args(argv))
     cfg = Config(**{name: given.pop(name) for name in FIELDS})
@@ -165,12 +153,10 @@ EXPLAINED = [
      "without --compile"),
     # --compile on a GPU: Triton builds a small C launcher with the C compiler in $CC (else gcc or clang) and Python's
     # headers; with no compiler it says so, and a failed build ends in the compiler's command (its error is above).
-    (r"Failed to find C\+?\+? compiler", lambda m: "--compile on a GPU needs a C compiler: Triton builds its kernel "
-     "launcher with gcc (or $CC) and Python's headers, and found no compiler; install them (`apt-get install gcc "
-     "python3-dev`), or run without --compile"),
-    (r"Command '\['([^']+)', '[^']+\.c', '-O3', '-shared'.*returned non-zero exit status", lambda m: "--compile on a "
-     f"GPU: Triton could not build its kernel launcher with {m[1]} (the compiler's error is above; most often Python.h "
-     "is missing): install Python's headers (`apt-get install python3-dev`), or run without --compile"),
+    (r"Failed to find C\+?\+? compiler|Command '\['([^']+)', '[^']+\.c', '-O3', '-shared'.*returned non-zero", lambda m: (
+        f"--compile on a GPU: Triton could not build its kernel launcher ({m[1] or 'no C compiler'}"
+        f"{' failed: its error is above' if m[1] else ''}): install gcc and Python's headers (`apt-get install gcc "
+        "python3-dev`), or run without --compile")),
 ]
 RANK = [None]  # this process's global rank where there are several, for the [rank N] prefix
 
@@ -196,11 +182,9 @@ def stop(error, rank=None):
 def end_process(code):
     """Flush what was printed, then end with code at once: no interpreter shutdown, where a thread of torch's (gloo's)
     asking for the GIL is ended by pthread_exit and aborts the process (pytorch/pytorch#179291)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a reader that left, a closed stream: nothing more can be shown
-            pass
+    with contextlib.suppress(OSError, ValueError):  # a reader that left, a closed stream: nothing more to show
+        sys.stdout.flush()
+        sys.stderr.flush()
     ctypes.CDLL(None).fflush(None)  # C's stdio too (NCCL's and gloo's own lines)
     os._exit(code)
 

@@ -1,5 +1,7 @@
 """DDP's communication hooks (--comm-hook, the DDP chapters): torch's own, and PowerSGD's state kept in --snapshot."""
 import argparse
+import re
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,123 +24,94 @@ ONE_BUCKET_MB = 25
 
 def comm_hook_type(text):
     """--comm-hook's type: none, bf16, fp16, or powersgd[:RANK[:START]] (PowerSGD's rank and first compressed step)."""
-    name, *numbers = text.split(":")
-    if text in ("none", "bf16", "fp16") or (name == "powersgd" and len(numbers) <= 2
-                                            and all(n.isdigit() and int(n) >= i + 1 for i, n in enumerate(numbers))):
-        return text
-    raise argparse.ArgumentTypeError(f"must be none, bf16, fp16 or powersgd[:RANK[:START]] (RANK >= 1, START >= 2; "
-                                     f"e.g. powersgd:4), got {text}")
+    if not re.fullmatch(r"none|bf16|fp16|powersgd(:[1-9]\d*(:([2-9]|[1-9]\d+))?)?", text):
+        raise argparse.ArgumentTypeError(f"must be none, bf16, fp16 or powersgd[:RANK[:START]] (RANK >= 1, START >= 2; "
+                                         f"e.g. powersgd:4), got {text}")
+    return text
 
 
-def refuse_powersgd_on_a_gpu_machines_cpu(cfg):
-    """torch's PowerSGD hook calls torch.cuda.synchronize(device) whenever CUDA is available, with the gradients'
-    device: the CPU's under --device cpu, which fails at the first compressed step."""
+def gpu_machines_cpu(cfg):
+    """torch's PowerSGD hook calls torch.cuda.synchronize(device) wherever CUDA is available: on the CPU's gradients
+    under --device cpu it fails at the first compressed step."""
     if cfg.comm_hook.startswith("powersgd") and cfg.device == "cpu" and torch.cuda.is_available():
         return ("--comm-hook powersgd cannot train with --device cpu where a GPU is visible: torch's PowerSGD hook "
                 "then calls torch.cuda.synchronize() on the CPU's gradients and fails at its first compressed step; "
                 "train on the GPUs, or hide them to train on the CPU (CUDA_VISIBLE_DEVICES=)")
-    return None
 
 
 COMM_HOOK = flag("none", comm_hook_type, "DDP's communication hook: what each all-reduce sends: bf16/fp16 halve the "
                  "bytes; powersgd[:R[:START]] all-reduces whole gradients for START steps (default 2), then a rank-R "
-                 "approximation (default 1) (docs/scaling.md)", check=refuse_powersgd_on_a_gpu_machines_cpu)
+                 "approximation (default 1) (docs/scaling.md)", check=gpu_machines_cpu)
 
 
 def register_comm_hook(model, cfg):
-    """--comm-hook on a DDP model: torch's hook for what each bucket's all-reduce sends. bf16/fp16: the gradients in
-    16 bits. powersgd[:R[:START]]: each weight's gradient as two rank-R factors, what they leave out added to the
-    next step's (error feedback). Returns PowerSGD's state (for --snapshot), else None."""
+    """--comm-hook: torch's hook for what each bucket's all-reduce sends (bf16/fp16: the gradients in 16 bits;
+    powersgd: each weight's as two rank-R factors, the rest added to the next step's); PowerSGD's state, or None."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     name, *numbers = cfg.comm_hook.split(":")
     if name in ("bf16", "fp16"):
         model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
-    elif name == "powersgd":
-        rank, start = [int(n) for n in numbers] + [1, POWERSGD_START][len(numbers):]  # powersgd[:RANK[:START]]
-        hook = PowerSGD(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start),
-                        model)
-        model.register_comm_hook(hook.state, hook.in_bucket_order)
-        return hook
-    return None
+    if name != "powersgd":
+        return None
+    rank, start = [int(n) for n in numbers] + [1, POWERSGD_START][len(numbers):]  # powersgd[:RANK[:START]]
+    hook = PowerSGD(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start), model)
+    model.register_comm_hook(hook.state, hook.in_bucket_order)
+    return hook
 
 
 class PowerSGD:
-    """torch's PowerSGD hook and its state, saved and loaded with --snapshot, and run in the order of the parameters
-    its residuals were kept in: a new DDP's first step holds them in the model's order, later steps in the order
-    their gradients came (the reverse), so a resumed run's first step meets them kept in the other order."""
+    """torch's PowerSGD hook, its state saved and loaded with --snapshot, run in the order of the parameters its
+    residuals were kept in (a new DDP's first step holds them in the model's order, later steps reversed)."""
 
     def __init__(self, state, model):
         self.state, self.orders = state, {}  # orders: per bucket, its parameters' order (indices into the model's)
         self.index = {id(p): i for i, p in enumerate(model.parameters())}
 
     def in_bucket_order(self, state, bucket):
-        """The hook: torch's, on the bucket, or on a copy laid out as when its residuals were kept (the same offsets:
-        MKL's bmm of a gradient by its Q rounds by the gradient's address mod 16 bytes, so only they give its bits)."""
+        """The hook: torch's, on the bucket, or, on a resumed run's first step, on a copy laid out as the snapshot's
+        steps had it (MKL's bmm of a gradient by its Q rounds by the gradient's address mod 16 bytes)."""
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
         order, b = [self.index[id(p)] for p in bucket.parameters()], bucket.index()
-        if self.orders.get(b, order) == order or b not in state.error_dict:  # no residuals kept in another order
+        if self.orders.setdefault(b, order) == order or b not in state.error_dict:
             self.orders[b] = order
             return powerSGD_hook(state, bucket)
-        laid = LaidOut(bucket, self.orders[b], self.index)
-        return powerSGD_hook(state, laid).then(laid.copy_back)
+        at = {i: k for k, i in enumerate(order)}
+        own = [bucket.gradients()[at[i]] for i in self.orders[b]]  # views of DDP's buffer, in the kept order
+        flat = torch.cat([g.reshape(-1) for g in own])  # a new buffer, aligned as DDP's
+        grads = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in own]), own)]
+        laid = SimpleNamespace(index=bucket.index, is_last=bucket.is_last, buffer=lambda: flat, gradients=lambda: grads,
+                               parameters=lambda: [bucket.parameters()[at[i]] for i in self.orders[b]])
+
+        def copy_back(future):  # the hook's result (in flat), each gradient back where DDP keeps it
+            for g, new in zip(own, grads):
+                g.copy_(new)
+            return bucket.buffer()
+
+        return powerSGD_hook(state, laid).then(copy_back)
 
     def all_gather(self, ctx):
         """An all_gather_object (every rank calls it) of each rank's state, for rank 0's snapshot: its step count, the
-        factors every rank shares and the residuals each rank keeps of its own."""
-        kind, keys, pos, has_gauss, gauss = self.state.rng.get_state()  # numpy's (draws Q's first values)
-        cpu = lambda tensors: {bucket: t.cpu() for bucket, t in tensors.items()}  # noqa: E731
-        mine = dict(iter=self.state.iter, error=cpu(self.state.error_dict), p=cpu(self.state.p_memory_dict),
-                    q=cpu(self.state.q_memory_dict), rng=[torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
-                    orders=self.orders)
+        factors every rank shares, the residuals each rank keeps of its own, numpy's random state (Q's first draw)."""
+        _, keys, pos, has_gauss, gauss = self.state.rng.get_state()
+        cpu = lambda tensors: {b: t.cpu() for b, t in tensors.items()}  # noqa: E731
+        mine = dict(iter=self.state.iter, orders=self.orders, error=cpu(self.state.error_dict),
+                    p=cpu(self.state.p_memory_dict), q=cpu(self.state.q_memory_dict),
+                    rng=[torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss])
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, mine)
         return everyone
 
     def load(self, saved, ctx, where):
-        """This rank's part of a snapshot's state; one line if the snapshot holds another number of ranks' residuals
-        (each rank keeps its own: no other world size can take them)."""
+        """This rank's part of a snapshot's state; one line if it holds another number of ranks' (each keeps its own)."""
         if saved is None or len(saved) != ctx.world_size:
             raise FatalError(f"snapshot {where} holds PowerSGD's residuals of {len(saved or [])} ranks, this run has "
                              f"{ctx.world_size}: each rank keeps its own, so resume with {len(saved or [])} ranks, or "
                              f"delete it to start afresh")
         mine, state = saved[ctx.rank], self.state
-        device = lambda tensors: {bucket: t.to(ctx.device) for bucket, t in tensors.items()}  # noqa: E731
         state.iter, self.orders = mine["iter"], mine.get("orders", {})
-        state.error_dict, state.p_memory_dict, state.q_memory_dict = (device(mine[k]) for k in ("error", "p", "q"))
+        state.error_dict, state.p_memory_dict, state.q_memory_dict = (
+            {b: t.to(ctx.device) for b, t in mine[k].items()} for k in ("error", "p", "q"))
         keys, pos, has_gauss, gauss = mine["rng"]  # the keys: a tensor where the load put it (a GPU's has no .numpy())
         state.rng.set_state(("MT19937", keys.cpu().numpy().astype("uint32"), pos, has_gauss, gauss))
-
-
-class LaidOut:
-    """A bucket's gradients copied into a new flat buffer (aligned as DDP's), its parameters in another order: what
-    torch's PowerSGD hook reads of a bucket (index, buffer, gradients, parameters, is_last)."""
-
-    def __init__(self, bucket, order, index):
-        at = {index[id(p)]: k for k, p in enumerate(bucket.parameters())}
-        self.bucket, self.own = bucket, [bucket.gradients()[at[i]] for i in order]  # views of DDP's buffer
-        self.params, self.sizes = [bucket.parameters()[at[i]] for i in order], [g.numel() for g in self.own]
-        self.flat = torch.cat([g.reshape(-1) for g in self.own])
-        self.grads = [v.view_as(g) for v, g in zip(self.flat.split(self.sizes), self.own)]
-
-    def index(self):
-        return self.bucket.index()
-
-    def is_last(self):
-        return self.bucket.is_last()
-
-    def buffer(self):
-        return self.flat
-
-    def gradients(self):
-        return self.grads
-
-    def parameters(self):
-        return self.params
-
-    def copy_back(self, future):
-        """The hook's result, each gradient back where DDP keeps it; DDP's bucket buffer for the future."""
-        for own, new in zip(self.own, future.value().split(self.sizes)):
-            own.copy_(new.view_as(own))
-        return self.bucket.buffer()

@@ -52,7 +52,12 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, 
                 # reduce-scatters them); under no_sync() they only add up here.
                 (scaler.scale(loss) if scaler else loss).backward()
             step_loss = step_loss + loss.detach()
-        optimizer_step(optimizer, scaler)
+        if scaler:  # fp16: skips a step whose gradients overflowed, and lowers the scale
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
         loss_sum.add_(step_loss, alpha=images)
         seen += images
         if step % cfg.log_every == 0:
@@ -63,19 +68,8 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, 
         print0(ctx, f"fp16 loss scale: {scaler.get_scale():g}")  # after 2000 steps in a row without inf/NaN
 
 
-def optimizer_step(optimizer, scaler):
-    """The step, then the gradients cleared; fp16's scaler skips a step whose gradients overflowed and lowers itself."""
-    if scaler:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad()
-
-
 def print_loss_line(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics):
-    """The quickstart's loss line: rank 0 prints the mean loss of the whole global batch (an all-reduce of the ranks'
-    losses and images; a rank with none adds 0, 0)."""
+    """The quickstart's loss line: the global batch's mean loss, from an all-reduce of the ranks' losses and images."""
     total, count = all_reduce_sum([step_loss * images, images], ctx, ctx.data_group)
     print0(ctx, f"loss: {total / count:>7f}  [{step * cfg.batch_size:>5d}/{size:>5d}]")
     metrics.write("train", epoch + 1, step=epoch * steps + step + 1,
@@ -88,14 +82,13 @@ def print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics):
     synchronize(ctx.device)
     seconds = time.perf_counter() - start
     print0(ctx, f"Train time: {seconds:.2f}s ({count / seconds:.0f} samples/s), train loss: {total / count:>7f}")
-    metrics.note(step=(epoch + 1) * steps, train_loss=total / count, train_seconds=seconds,
-                 samples_per_second=count / seconds)
+    metrics.pending = dict(step=(epoch + 1) * steps, train_loss=total / count, train_seconds=seconds,
+                           samples_per_second=count / seconds)  # written with the epoch's test lines
 
 
 @torch.no_grad()
 def evaluate(model, loader, epoch, ctx, metrics):
-    """Accuracy and mean loss over the whole test set, in float32 whatever --precision trained: each rank counts its
-    shard, an all-reduce sums the counts."""
+    """Accuracy and mean loss over the whole test set (each rank counts its shard), in float32 whatever --precision."""
     model.eval()
     loss_sum = torch.zeros((), device=ctx.device)
     correct = torch.zeros((), dtype=torch.long, device=ctx.device)
@@ -119,41 +112,25 @@ def print_test_lines(loss_sum, correct, seen, epoch, ctx, metrics):
 
 
 class MetricsLog:
-    """FOLDER/metrics.jsonl on global rank 0, a JSON line as soon as it is known (a killed run keeps what it logged):
-    "train" lines every --log-every steps, "epoch" lines at each epoch's end (docs/tests.md lists their fields)."""
+    """FOLDER/metrics.jsonl, written by global rank 0 a line as soon as it is known: "train" and "epoch" records."""
 
     def __init__(self, folder, ctx, epochs_done=0):
-        self.path, self.pending, self.started = None, {}, time.perf_counter()
-        if folder is None or not ctx.is_main:
-            return
-        self.path = Path(folder) / "metrics.jsonl"
-        kept = []
-        if epochs_done and self.path.exists():  # resuming: keep the epochs the snapshot holds, drop the lost ones
-            kept = [line + "\n" for line in self.path.read_text().splitlines() if _epoch_of(line) <= epochs_done]
-        self._put(kept, "w")
-
-    def note(self, **fields):
-        """Fields for this epoch's "epoch" record, written with it."""
-        self.pending.update(fields)
+        self.path = Path(folder) / "metrics.jsonl" if folder is not None and ctx.is_main else None
+        self.pending, self.started = {}, time.perf_counter()  # pending: the epoch's training figures
+        kept = self.path.read_text().splitlines() if self.path and epochs_done and self.path.exists() else []
+        self._put([line for line in kept if line.endswith("}") and json.loads(line)["epoch"] <= epochs_done], "w")
 
     def write(self, kind, epoch, **fields):
-        """One record; an "epoch" record also takes the fields noted since the last one."""
+        """One record; an "epoch" record also takes the epoch's training figures."""
         extra, self.pending = (self.pending, {}) if kind == "epoch" else ({}, self.pending)
-        record = dict(kind=kind, epoch=epoch, **extra, **fields, time=round(time.perf_counter() - self.started, 3))
-        if self.path is not None:
-            self._put([json.dumps(record) + "\n"], "a")
+        self._put([json.dumps(dict(kind=kind, epoch=epoch, **extra, **fields,
+                                   time=round(time.perf_counter() - self.started, 3)))], "a")
 
     def _put(self, lines, mode):
+        """Lines into the file (resuming: the epochs the snapshot holds, without a line a kill cut off)."""
         try:
-            with open(self.path, mode) as f:
-                f.writelines(lines)
+            if self.path:
+                with self.path.open(mode) as f:
+                    f.writelines(line + "\n" for line in lines)
         except OSError as e:
             raise FatalError(f"cannot write {self.path}: {e.strerror}; free some space or pass another --output") from None
-
-
-def _epoch_of(line):
-    """A record's epoch; a line cut off by a kill counts as never written."""
-    try:
-        return json.loads(line)["epoch"]
-    except (ValueError, KeyError, TypeError):
-        return float("inf")

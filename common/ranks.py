@@ -24,9 +24,7 @@ class DistContext:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
-    # The ranks whose batches differ, over which losses and test counts are summed: None is all of them (tensor
-    # parallel: the ranks of one tp group share each batch, so the sums run over one of them per batch).
-    data_group: object = None
+    data_group: object = None  # the ranks whose batches differ, that sums run over (None: all; chapter 9: its dp row)
 
     @property
     def is_main(self):
@@ -62,13 +60,11 @@ def all_reduce_sum(values, ctx, group=None):
 # ---- Several ranks: each one's device, the launchers' checks, the lines they all say ----
 
 def rank_device(requested, local_rank, ranks_here=None):
-    """A DDP rank's device: cuda:<local rank>, else the CPU; one line for what cannot work. ranks_here: the ranks this
-    machine runs where the launcher shows them all the same GPUs (torchrun, mp.spawn); without it (srun, by hand) a
-    rank that sees exactly one GPU was shown its own (--gpus-per-task 1, per-rank CUDA_VISIBLE_DEVICES) and uses it."""
-    if requested not in (None, "cpu") and torch.device(requested).index is not None:
-        raise UsageError(f"--device {requested}: a DDP rank always uses the GPU of its local rank, cuda:<local rank>; "
-                         f"choose the GPUs with CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=2,3) and pass "
-                         f"--device cuda or nothing")
+    """A DDP rank's device: the CPU, or cuda:<local rank> (ranks_here: the ranks a launcher shows this machine's GPUs:
+    torchrun, mp.spawn), or a rank's own GPU (srun --gpus-per-task 1, by hand: one GPU seen); else one line why not."""
+    if requested not in (None, "cpu", "cuda"):
+        raise UsageError(f"--device {requested}: a DDP rank always uses the GPU of its local rank; choose the GPUs with "
+                         f"CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=2,3) and pass --device cuda or nothing")
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
@@ -150,11 +146,9 @@ SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_s
 
 def all_gather_flags(cfg, ctx):
     """An all_gather of every rank's host and flags: ranks started with other flags stop in one line; each prints its
-    line; returns its CPU threads (its share of its machine's cores unless OMP_NUM_THREADS is set: more threads than
-    cores makes every rank slower)."""
+    line; its CPU threads (its share of its machine's cores, unless OMP_NUM_THREADS says: more would oversubscribe)."""
     flags = {name: getattr(cfg, name) for name in SAME_ON_EVERY_RANK} | {"snapshot": cfg.snapshot is not None}
-    host = socket.gethostname()
-    everyone = [None] * ctx.world_size
+    everyone, host = [None] * ctx.world_size, socket.gethostname()
     dist.all_gather_object(everyone, (host, flags))
     for rank, (_, their_flags) in enumerate(everyone):
         differ = [name for name in flags if their_flags[name] != flags[name]]
@@ -165,9 +159,8 @@ def all_gather_flags(cfg, ctx):
     threads = torch.get_num_threads()
     if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         threads = cpu_threads(sum(other == host for other, _ in everyone))
-    # One write per line (newline included), so the ranks' lines do not interleave in a shared log file.
     print(f"[rank {ctx.rank}] host={host} local_rank={ctx.local_rank} device={ctx.device} "
-          f"backend={dist.get_backend()} world_size={ctx.world_size} threads={threads}\n", end="", flush=True)
+          f"backend={dist.get_backend()} world_size={ctx.world_size} threads={threads}\n", end="", flush=True)  # 1 write
     return threads
 
 
@@ -213,24 +206,10 @@ DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line 
         f"only {m[2]} of {m[3]} processes reached the rendezvous within {m[1]}s: {MISSING_PEERS}")),
     (r"^\s*(Wait timeout|Socket Timeout)\s*$", lambda m: (  # a store's wait ran out: a peer never came
         f"not every rank reached the rendezvous within --timeout: {MISSING_PEERS}")),
-    # NCCL: two ranks of one machine were given the same GPU.
-    (r"Duplicate GPU detected ?: rank (\d+) and rank (\d+) both on CUDA device (\w+)", lambda m: (
-        f"ranks {m[1]} and {m[2]} are on the same GPU, and NCCL needs one GPU per rank: start at most one process "
-        f"per visible GPU on each machine and give each its own local rank")),
-    # TORCH_DISTRIBUTED_DEBUG=DETAIL's check: the ranks were about to run different collectives.
-    (r"Detected mismatch between collectives on ranks\. Rank (\d+) is running collective: CollectiveFingerPrint\("
-     r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+).*?but Rank (\d+) is running "
-     r"collective: CollectiveFingerPrint\(SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], "
-     r"TensorDtypes=(\w+)", lambda m: (
-        f"collective mismatch: rank {m[1]} runs collective #{m[2]} {m[3]} [{m[4]}] {m[5]}, rank {m[6]} runs #{m[7]} "
-        f"{m[8]} [{m[9]}] {m[10]}: every rank must call the same collectives in the same order with the same shapes "
-        f"(a collective under `if rank == 0`, a loop one rank leaves early, uneven data)")),
-    # gloo, once the group is up: the peer's end of the connection was closed (its process died).
-    (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m: (
+    (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m: (  # gloo: a peer's process died
         f"lost contact with the other ranks ({_first_line(m.string)}): another rank died (see its log), or the "
         f"network between them failed")),
-    # gloo, once the group is up: a peer stopped answering but kept its connection (stopped, hung, or elsewhere); the
-    # operation that timed out says so, or one waiting on a connection gloo then closed ("pair closure").
+    # gloo: a peer stopped answering but kept its connection (stopped, hung, or elsewhere), or gloo then closed it
     (r"Timed out waiting (\d+)ms for (?:recv|send) operation|Application timeout caused pair closure", lambda m: (
         f"no answer from another rank within --timeout{f' ({int(m[1]) / 1000:g}s)' if m[1] else ''}: one of them is "
         f"stopped or stuck (see its log), or the network between them stalled")),
@@ -244,7 +223,7 @@ def _first_line(text):
 
 
 def name_rank_in_errors(rank, world_size):
-    """From now on this process's error lines start with [rank N] (where there are several ranks), and torch's
-    messages about ranks that cannot meet or lost each other are explained."""
+    """From now on this rank's error lines start with [rank N], and torch's words for ranks that miss each other are
+    explained."""
     RANK[0] = rank if world_size > 1 else None
     EXPLAINED.extend(x for x in DISTRIBUTED_ERRORS if x not in EXPLAINED)

@@ -37,16 +37,13 @@ def c_compiler():
 def find_data(data_dir):
     """./data as torchvision reads it (the folder the tests use), filled if need be from the four .gz files in
     data_dir, else from Debian's copy; one line if neither has them."""
-    os.environ["FASHION_MNIST_OFFLINE"] = "1"  # the tests' processes, too, try no download
-    if data_dir:
-        os.environ["FASHION_MNIST_SYSTEM_DIR"] = str(Path(data_dir).resolve())
-    from common.data import locate_fashion_mnist  # reads FASHION_MNIST_SYSTEM_DIR when imported
+    from common.data import unpack_debian_copy
 
-    (REPO / "data").mkdir(exist_ok=True)
+    os.environ["FASHION_MNIST_OFFLINE"] = "1"  # the tests' processes try no download
     try:
-        return locate_fashion_mnist(str(REPO / "data")).resolve()
+        return unpack_debian_copy(REPO / "data", *[str(Path(data_dir).resolve())] * bool(data_dir)).parent.parent
     except FatalError as e:
-        raise UsageError(f"{e} (--data-dir: a folder holding the four FashionMNIST .gz files)") from None
+        raise UsageError(f"{e} (or pass --data-dir, a folder holding the four FashionMNIST .gz files)") from None
 
 
 def main():

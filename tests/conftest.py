@@ -61,19 +61,15 @@ def fake_data(tmp_path):
 
 
 def _real_data_dir():
-    """./data as torchvision reads it, unpacked from Debian's copy the first time (as a chapter's first run does);
-    None where neither has FashionMNIST."""
-    from common.data import locate_fashion_mnist
+    """./data as torchvision reads it, unpacked from Debian's copy the first time (as `make data` does); None where
+    neither has FashionMNIST."""
+    from common.data import unpack_debian_copy
 
-    (REPO / "data").mkdir(exist_ok=True)
-    offline = os.environ.get("FASHION_MNIST_OFFLINE")
-    os.environ["FASHION_MNIST_OFFLINE"] = "1"
     try:
-        return locate_fashion_mnist(str(REPO / "data"))
+        unpack_debian_copy(REPO / "data")
     except FatalError:
         return None
-    finally:
-        os.environ.pop("FASHION_MNIST_OFFLINE") if offline is None else None
+    return REPO / "data"
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +111,7 @@ QUICK = [
     "tests/test_config.py", "tests/test_errors.py", "tests/test_model_engine.py", "tests/test_cuda_defaults.py",
     "tests/test_gpu_path.py", "tests/test_data.py::test_a_damaged_file_is_one_line", "tests/test_data.py::test_load_from",
     "tests/test_data.py::test_batches_match_torchvision_totensor", "tests/test_data.py::test_union_of_rank_batches",
-    "tests/test_data.py::test_shard_sampler", "tests/test_data.py::test_loader_batches",
+    "tests/test_data.py::test_shards_of_the_test_set_hold_each_image_once", "tests/test_data.py::test_loader_batches",
     "tests/test_preflight.py::test_bus_bandwidth_is_nccl_tests_busbw", "tests/test_docs.py::test_every_doc_command_is_known",
     # the torch range: what a chapter refuses on a torch too old for it (all of them on the floor, make test-floor)
     "tests/test_torch_range.py", "tests/test_gpu_path.py::test_every_flag_has_a_cuda_twin",

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from common import data
 from common.cli import Config, FatalError
@@ -30,16 +30,13 @@ def test_load_from_data_dir(tmp_path):
     assert torch.equal(batch[1][0], images[2].float().div(255).unsqueeze(0)) and batch[1][1] == labels[2]
 
 
-def test_debians_copy_is_unpacked_into_the_data_folder(tmp_path, monkeypatch):
-    """No ./data: the first run unpacks Debian's four .gz files into it, where torchvision reads them."""
+def test_debians_copy_is_unpacked_into_the_data_folder(tmp_path):
+    """`make data`: Debian's four .gz files unpacked into ./data/FashionMNIST/raw, where torchvision reads them."""
     system = tmp_path / "usr-share"
     written = make_fake_fashion_mnist(system, layout="flat", gz=True)  # the Debian package's layout
-    monkeypatch.setattr(data, "SYSTEM_DIR", str(system))
-    monkeypatch.chdir(tmp_path)
-    assert data.locate_fashion_mnist(None) == data.Path("data")
-    assert sorted(p.name for p in (tmp_path / "data" / "FashionMNIST" / "raw").iterdir()) == \
-        sorted(name for names in FILES.values() for name in names)  # the four files, no temporary one left
-    train_set, _, _ = load(tmp_path / "data")
+    raw = data.unpack_debian_copy(tmp_path / "data", system)
+    assert sorted(p.name for p in raw.iterdir()) == sorted(name for names in FILES.values() for name in names)
+    train_set, _, _ = load(tmp_path / "data")  # the four files, and no temporary one left
     assert torch.equal(train_set.images.squeeze(1), written["train"][0])
 
 
@@ -50,29 +47,24 @@ def test_real_debian_copy_decodes(real_data):
 
 
 def test_no_data_anywhere_names_the_fix(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "SYSTEM_DIR", str(tmp_path / "nowhere"))
     monkeypatch.setenv("FASHION_MNIST_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FatalError, match="apt-get install dataset-fashion-mnist"):
+    with pytest.raises(FatalError, match="run `make data`.*apt-get install dataset-fashion-mnist"):
         data.locate_fashion_mnist(None)
+    with pytest.raises(FatalError, match="Debian's copy is not in"):
+        data.unpack_debian_copy(tmp_path / "data", tmp_path / "nowhere")
 
 
-def test_a_failed_download_leaves_no_empty_folders(tmp_path, monkeypatch):
-    """No copy anywhere and a download that fails fast (the proxy is a closed port): data/ is not left behind."""
-    monkeypatch.setattr(data, "SYSTEM_DIR", str(tmp_path / "nowhere"))
+def test_a_failed_download_is_one_line(tmp_path, monkeypatch):
+    """No data and a download that fails fast (the proxy is a closed port): one line that says so and names the fix."""
     monkeypatch.delenv("FASHION_MNIST_OFFLINE", raising=False)
     for name in ("http_proxy", "https_proxy"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")
     for name in ("no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FatalError, match="the download failed"):
+    with pytest.raises(FatalError, match="(?s)the download failed.*run `make data`"):
         data.locate_fashion_mnist(None)
-    assert not (tmp_path / "data").exists()
-    (tmp_path / "mine").mkdir()  # a --data-dir the user made is kept, only what the download made is removed
-    with pytest.raises(FatalError, match="the download failed"):
-        data.locate_fashion_mnist(str(tmp_path / "mine"))
-    assert [p.name for p in tmp_path.iterdir()] == ["mine"] and not any((tmp_path / "mine").iterdir())
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
@@ -84,16 +76,14 @@ def test_a_damaged_file_is_one_line(damage, tmp_path):
         load(tmp_path)
 
 
-def test_a_damaged_debian_file_is_one_line(tmp_path, monkeypatch):
+def test_a_damaged_debian_file_is_one_line(tmp_path):
     system = tmp_path / "usr-share"
     make_fake_fashion_mnist(system, layout="flat", gz=True)
     path = system / "train-images-idx3-ubyte.gz"
     path.write_bytes(path.read_bytes()[:-20])
-    monkeypatch.setattr(data, "SYSTEM_DIR", str(system))
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(FatalError, match="Debian's copy could not be unpacked there"):
-        data.locate_fashion_mnist(None)
-    assert not [p for p in (tmp_path / "data" / "FashionMNIST" / "raw").iterdir() if p.name.startswith("tmp")]
+    with pytest.raises(FatalError, match="Debian's copy could not be unpacked into"):
+        data.unpack_debian_copy(tmp_path / "data", system)
+    assert not [p for p in (tmp_path / "data" / "FashionMNIST" / "raw").iterdir() if p.name.startswith(".")]
 
 
 def test_batches_match_torchvision_totensor(fake_data):
@@ -129,10 +119,15 @@ def test_union_of_rank_batches_is_the_single_process_batch(world):
         assert sorted(whole) == sorted(i for part in parts for i in part), f"batch {k}"
 
 
-@pytest.mark.parametrize("n,world", [(10, 3), (10000, 3), (7, 8), (12, 4)])
-def test_shard_sampler_covers_each_item_once(n, world):
-    shards = [list(data.ShardSampler(range(n), r, world)) for r in range(world)]
-    assert sorted(i for s in shards for i in s) == list(range(n))
+@pytest.mark.parametrize("n,world", [(10, 3), (96, 3), (7, 8), (12, 4)])
+def test_shards_of_the_test_set_hold_each_image_once(n, world, fake_data):
+    """The DDP chapters' test loader: rank r of w evaluates images r, r+w, ... (no padded repeat counted twice)."""
+    test_set = load(fake_data)[1]
+    test_set = data.DeviceImages(test_set.images[:n], test_set.labels[:n])
+    shards = [Subset(test_set, range(r, len(test_set), world)) for r in range(world)]  # the chapters' line
+    assert sorted(i for shard in shards for i in shard.indices) == list(range(n))  # every image once
+    labels = torch.cat([y for shard in shards for _, y in DataLoader(shard, batch_size=1000)])
+    assert sorted(labels.tolist()) == sorted(test_set.labels.tolist())
 
 
 def test_loader_batches_follow_the_sampler_and_its_epoch(fake_data):
@@ -181,7 +176,7 @@ def test_the_ranks_of_one_machine_download_the_data_once(real_data, reference, t
     from conftest import REPO, SLICE, TORCHRUN
     from test_ddp import SAME_MODEL, _accuracy_lines
 
-    handler = type("Mirror", (_Mirror,), dict(folder=data.Path(data.SYSTEM_DIR), fetched={}))  # Debian's .gz files
+    handler = type("Mirror", (_Mirror,), dict(folder=data.Path("/usr/share/datasets/fashion-mnist"), fetched={}))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     # Debian's .gz files hold the same images as the originals, compressed again: other bytes, so not the md5 sums

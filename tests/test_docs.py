@@ -305,7 +305,6 @@ MAKE_IT_PRINT = {
     "is left over from an earlier run": lambda tmp, stack: (
         "ddp_tcp_manual.py", _tcp(f"file://{stale_rendezvous_file(tmp)}"), {}),
     "was started with --train-samples": lambda tmp, stack: _two_ranks(tmp, stack, rank1_args=["--train-samples", "128"]),
-    "collective mismatch: rank": "tests/test_debug_hang.py::test_detail_check_names_both_collectives",
     "lost contact with the other ranks": lambda tmp, stack: _two_ranks(tmp, stack, to_rank1=signal.SIGKILL),
     "no answer from another rank": lambda tmp, stack: _two_ranks(tmp, stack, to_rank1=signal.SIGSTOP, timeout="3"),
     "cannot be read": lambda tmp, stack: _snapshot_run(tmp, lambda snap, data: snap.write_bytes(b"half a zip")),

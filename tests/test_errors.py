@@ -31,17 +31,13 @@ RECOGNISED = [
                   "operation to complete"), "no answer from another rank within --timeout (5s)"),
     (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:1107] Application timeout caused pair closure"),
      "no answer from another rank within --timeout: one of them is stopped or stuck"),
-    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage, NCCL version 2.21.5\n"
-                           "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
-                           "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"),
-     "ranks 1 and 0 are on the same GPU, and NCCL needs one GPU per rank"),
     (RuntimeError("Wait timeout"), "not every rank reached the rendezvous within --timeout"),
     # --compile on a GPU, Triton's launcher build (triton 3.8's runtime/build.py), as Inductor passes it on
     (RuntimeError("backend='inductor' raised:\nRuntimeError: Failed to find C compiler. Please specify via CC "
-                  "environment variable or set triton.knobs.build.impl."), "--compile on a GPU needs a C compiler"),
+                  "environment variable or set triton.knobs.build.impl."), "Triton could not build its kernel launcher (no C compiler)"),
     (RuntimeError("backend='inductor' raised:\nCalledProcessError: Command '['/usr/bin/gcc', '/tmp/tmpq1/cuda_utils.c',"
                   " '-O3', '-shared', '-fPIC', '-Wno-psabi', '-o', '/tmp/tmpq1/cuda_utils.so']' returned non-zero exit "
-                  "status 1."), "Triton could not build its kernel launcher with /usr/bin/gcc"),
+                  "status 1."), "Triton could not build its kernel launcher (/usr/bin/gcc failed"),
 ]
 
 
@@ -66,7 +62,10 @@ NCCL_SYSTEM_ERROR = (
     ValueError("Error initializing torch.distributed using env:// rendezvous: environment variable MASTER_ADDR "
                "expected, but not set"),
     dist.DistBackendError(NCCL_SYSTEM_ERROR),
-], ids=["shapes", "gloo-connect", "env-missing", "nccl-system-error"])
+    dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage, NCCL version 2.21.5\n"
+                          "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
+                          "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"),  # NCCL says it all
+], ids=["shapes", "gloo-connect", "env-missing", "nccl-system-error", "nccl-duplicate-gpu"])
 def test_anything_else_is_not_explained(error):
     """Not one of the messages above: no guessed cause (no "lost contact"): run_main shows it whole (below)."""
     assert explain(error) is None

@@ -377,9 +377,9 @@ def test_a_rank_shown_only_its_own_gpu_trains_on_it(script, argv, env, real_data
 
 
 @pytest.mark.parametrize("compiler,words", [
-    (None, "--compile on a GPU needs a C compiler"),
+    (None, "Triton could not build its kernel launcher (no C compiler)"),
     ("#!/bin/sh\necho 'fatal error: Python.h: No such file or directory' >&2\nexit 1\n",
-     "Triton could not build its kernel launcher with"),
+     "Triton could not build its kernel launcher ("),
 ], ids=["no-compiler", "no-python-headers"])
 def test_compile_without_what_triton_builds_with_is_one_line(compiler, words, real_data, tmp_path):
     """--compile on a GPU: Triton compiles a small C launcher the first time (gcc or $CC, and Python.h). Without a
@@ -403,7 +403,8 @@ def test_compile_without_what_triton_builds_with_is_one_line(compiler, words, re
 
 
 def test_two_nccl_ranks_on_one_gpu_are_refused(real_data, tmp_path):
-    """Two hand-started ranks without their own --local-rank both take cuda:0: NCCL refuses, one line each."""
+    """Two hand-started ranks without their own --local-rank both take cuda:0: NCCL refuses, in its own words (with
+    the traceback) and our last line."""
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, "ddp_tcp_manual.py", "--init-method", init, "--rank", str(r),
                                "--world-size", "2", *SLICE, "--data-dir", str(real_data), "--output",
@@ -412,7 +413,7 @@ def test_two_nccl_ranks_on_one_gpu_are_refused(real_data, tmp_path):
     for rank, p in enumerate(procs):
         _, err = p.communicate(timeout=180)
         assert p.returncode == 1, err
-        one_error_line(err, f"[rank {rank}] ranks", "are on the same GPU, and NCCL needs one GPU per rank")
+        assert "Duplicate GPU detected" in err and f"error: [rank {rank}] DistBackendError: NCCL error" in err, err
 
 
 # Before it ends a rank whose collective overran --timeout, NCCL's watchdog waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC
