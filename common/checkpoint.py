@@ -47,7 +47,8 @@ def atomic_save(obj, path):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only disk refuses even that
+            tmp.unlink(missing_ok=True)
         raise FatalError(f"cannot write {path}: {e.strerror}; free some space or pass another --output / --snapshot") \
             from None
 

@@ -201,7 +201,7 @@ DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line 
         f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', m[1])} is not a network interface of this "
         f"machine; set it to the one on the network the ranks share (`ip -br addr` lists them), or unset it")),
     (r"timed out after (\d+)ms while trying to connect to \((.+), (\d+)\)", lambda m: (
-        f"no rendezvous at {m[2]}:{m[3]} within {int(m[1]) / 1000:g}s: {NO_RANK0}")),
+        f"no rendezvous at {m[2]}:{m[3]} (torch's tries timed out after {int(m[1]) / 1000:g}s each): {NO_RANK0}")),
     (r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", lambda m: (
         f"only {m[2]} of {m[3]} processes reached the rendezvous within {m[1]}s: {MISSING_PEERS}")),
     (r"^\s*(Wait timeout|Socket Timeout)\s*$", lambda m: (  # a store's wait ran out: a peer never came

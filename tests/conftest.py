@@ -165,7 +165,7 @@ if os.environ.get("TUTORIAL_CPU_DEFAULTS") != "1":
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-# What a process prints when a C++ thread is ended while the interpreter shuts down (see common/errors.py's
+# What a process prints when a C++ thread is ended while the interpreter shuts down (see common/cli.py's
 # end_process); no process of this project may ever print it, whatever the test expects otherwise.
 ABORT_AT_EXIT = "terminate called without an active exception"
 

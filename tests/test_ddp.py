@@ -118,11 +118,13 @@ def test_two_torchrun_nodes_on_one_machine(real_data, reference, tmp_path, procs
 
 
 @pytest.mark.parametrize("rank,needles", [
-    (1, ["no rendezvous at 127.0.0.1:{port} within 10s", "GLOO_SOCKET_IFNAME", "firewall"]),  # nobody at the master
+    (1, ["no rendezvous at 127.0.0.1:{port} (torch's tries timed out after 10s each)",  # nobody at the master
+         "GLOO_SOCKET_IFNAME", "firewall"]),
     (0, ["only 1 of 2 processes reached the rendezvous", "start every rank"]),  # the master's peer never comes
 ], ids=["unreachable-master", "missing-peer"])
 def test_lone_rank_fails_within_the_timeout(rank, needles, procs):
-    """--timeout 10 means 10 s after the start-up, not torch's retries after it (16-43 s).
+    """The rendezvous gives up after torch's TCPStore has tried twice for --timeout (with a pause about as long as the
+    timeout between the tries, torch 2.6 to 2.14), never later.
 
     The start-up (importing torch) is measured here, at this moment's load: the chapter's own `--help` exits right
     after its imports. A loaded machine stretches both alike.
@@ -137,7 +139,7 @@ def test_lone_rank_fails_within_the_timeout(rank, needles, procs):
                      "--rank", str(rank), "--world-size", "2", "--timeout", "10"])
     code, _, err = procs.wait(p, timeout=120)
     seconds = time.monotonic() - start
-    assert code == 1 and seconds < startup + 10 + 5, (seconds, startup, err)
+    assert code == 1 and seconds < startup + 3 * 10 + 5, (seconds, startup, err)
     one_error_line(err, f"[rank {rank}]", *(n.format(port=port) for n in needles))
 
 

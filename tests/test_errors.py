@@ -14,7 +14,8 @@ EXPLAINED.extend(x for x in ranks.DISTRIBUTED_ERRORS if x not in EXPLAINED)  # a
 # (what torch 2.14.1 raised, as seen in this project's runs) -> words the one line must have
 RECOGNISED = [
     (dist.DistNetworkError("The client socket has timed out after 10000ms while trying to connect to (10.0.0.1, "
-                           "29500)."), "no rendezvous at 10.0.0.1:29500 within 10s: rank 0 is not running there"),
+                           "29500)."),
+     "no rendezvous at 10.0.0.1:29500 (torch's tries timed out after 10s each): rank 0 is not running there"),
     (dist.DistStoreError("Timed out after 6 seconds waiting for clients. 1/2 clients joined."),
      "only 1 of 2 processes reached the rendezvous within 6s: start every rank"),
     (dist.DistNetworkError("The server socket has failed to listen on any local network address. port: 29500, "

@@ -14,7 +14,7 @@ from test_multinode import NODE_ENV, tcp_nodes, torchrun_nodes, two_machines  # 
 
 A, B = NODES
 TIMEOUT = 20  # --timeout: what a rank waits in a collective before it gives up on its peer
-LOST = "no answer from another rank within --timeout"  # the one line each rank prints (common/errors.py)
+LOST = "no answer from another rank within --timeout"  # the one line each rank prints (common/ranks.py)
 HOW = {  # chapter 3 under static torchrun, chapter 5 by hand, chapter 7 under static torchrun
     "ddp-torchrun": lambda args: torchrun_nodes("static", args),
     "ddp-tcp": lambda args: tcp_nodes(args),

@@ -52,7 +52,7 @@ def test_dataparallel_trains_the_same_model(slice_runs):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_without_gpu_is_a_usage_error():
     proc = run_script("single_gpu.py", "--device", "cuda")
-    assert proc.returncode == 2 and "no GPU is visible" in proc.stderr and proc.stderr.count("\n") == 1
+    assert proc.returncode == 2 and "of the 0 GPU(s) visible here" in proc.stderr and proc.stderr.count("\n") == 1
 
 
 def _runtime_error(proc, *needles):
@@ -78,14 +78,15 @@ def test_empty_data_dir_names_the_fix(tmp_path):
 
 
 def test_no_data_anywhere_names_the_fix(tmp_path):
-    proc = run_script("dataparallel.py", cwd=tmp_path, env={"FASHION_MNIST_SYSTEM_DIR": str(tmp_path / "none")})
-    _runtime_error(proc, "apt-get install dataset-fashion-mnist")
+    proc = run_script("dataparallel.py", cwd=tmp_path)  # no ./data here, and no download (FASHION_MNIST_OFFLINE)
+    _runtime_error(proc, "run `make data`", "apt-get install dataset-fashion-mnist")
 
 
 def test_truncated_idx_file(tmp_path, fake_data):
-    victim = fake_data / "FashionMNIST" / "raw" / "train-images-idx3-ubyte.gz"
+    victim = fake_data / "FashionMNIST" / "raw" / "train-images-idx3-ubyte"
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    _runtime_error(run_script("single_gpu.py", "--data-dir", fake_data, cwd=tmp_path), "train-images-idx3-ubyte.gz")
+    _runtime_error(run_script("single_gpu.py", "--data-dir", fake_data, cwd=tmp_path), "cannot read FashionMNIST in",
+                   "delete that folder")
 
 
 def test_unwritable_output(tmp_path, fake_data):
