@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
 from common.cli import parse_config, run_main
@@ -64,8 +64,9 @@ def train(cfg, ctx):
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
-                              sampler=train_sampler)
-    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000)
+                              sampler=train_sampler, collate_fn=default_convert)
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
+                             collate_fn=default_convert)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
@@ -78,7 +79,7 @@ def train(cfg, ctx):
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
-    scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state)  # 0, or the epochs it holds
     metrics = MetricsLog(output, ctx, first_epoch)

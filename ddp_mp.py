@@ -5,6 +5,7 @@
 
 The parent process parses the flags, picks the rendezvous address and spawns --nprocs workers; worker i is rank i.
 """
+import functools
 import os
 from datetime import timedelta
 
@@ -12,22 +13,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
-from common.cli import POSITIVE, flag, parse_config, run_main, spawned
+from common.cli import POSITIVE, end_process, flag, parse_config, run_main, stop
 from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, all_gather_flags, check_global_batch, default_nprocs, free_port,
-                          name_rank_in_errors, print0, rank_device)
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, free_port, name_rank_in_errors, print0,
+                          rank_device)
 
 
 def main():
     cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK,
                        nprocs=flag(None, POSITIVE, "processes to spawn (default one per visible GPU, or 2 on a CPU)"))
-    world_size = cfg.nprocs or default_nprocs(cfg.device)  # one process per visible GPU, or 2 on the CPU
+    gpus = torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 0
+    world_size = cfg.nprocs or gpus or 2  # one process per visible GPU, or 2 on the CPU (still two ranks to show)
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     rank_device(cfg.device, 0, world_size)  # more processes than GPUs: one line now, before any starts
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the workers reach rank 0: all run on this machine
@@ -36,6 +38,19 @@ def main():
         mp.spawn(worker, args=(cfg, world_size), nprocs=world_size)  # worker(i, cfg, world_size) for i in 0..nprocs-1
     except mp.ProcessExitedException as e:  # a worker failed (and said why, unless killed); spawn stopped the others
         raise SystemExit(e.exit_code if e.exit_code > 0 else f"error: rank {e.error_index} was killed by {e.signal_name}")
+
+
+def spawned(fn):
+    """mp.spawn's worker fn(rank, ...), ended as run_main ends a chapter: an error in one line or with its traceback."""
+    @functools.wraps(fn)
+    def worker(rank, *args):
+        try:
+            fn(rank, *args)
+        except Exception as e:
+            stop(e, rank)
+        end_process(0)  # not back into spawn, whose sys.exit would shut the interpreter down (see end_process)
+
+    return worker
 
 
 @spawned  # a failing worker prints its error and exits non-zero; mp.spawn then stops the others
@@ -73,8 +88,9 @@ def train(cfg, ctx):
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
-                              sampler=train_sampler)
-    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000)
+                              sampler=train_sampler, collate_fn=default_convert)
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
+                             collate_fn=default_convert)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
@@ -87,7 +103,7 @@ def train(cfg, ctx):
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
-    scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state)  # 0, or the epochs it holds
     metrics = MetricsLog(output, ctx, first_epoch)

@@ -11,22 +11,24 @@
 
 Nothing starts the other ranks for you: each waits up to --timeout seconds for the rest, then gives up.
 """
+import argparse
+import time
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
-from common.cli import NON_NEGATIVE, POSITIVE, REQUIRED, UsageError, flag, parse_config, run_main
+from common.cli import NON_NEGATIVE, POSITIVE, REQUIRED, FatalError, UsageError, flag, parse_config, run_main
 from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, all_gather_flags, check_file_rendezvous, check_global_batch, name_rank_in_errors,
-                          print0, rank_device, rendezvous_url)
+from common.ranks import DistContext, all_gather_flags, check_global_batch, name_rank_in_errors, print0, rank_device
 
 
 def main():
@@ -76,8 +78,9 @@ def train(cfg, ctx):
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
-                              sampler=train_sampler)
-    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000)
+                              sampler=train_sampler, collate_fn=default_convert)
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
+                             collate_fn=default_convert)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
@@ -90,7 +93,7 @@ def train(cfg, ctx):
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
-    scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state)  # 0, or the epochs it holds
     metrics = MetricsLog(output, ctx, first_epoch)
@@ -110,6 +113,33 @@ def train(cfg, ctx):
     if ctx.is_main:
         save_weights(model.module, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+# ---- The rendezvous flag, checked before init_process_group waits on it ----
+
+def rendezvous_url(text):
+    """--init-method's type: tcp://HOST:PORT with a port in 1..65535, or file:// with an absolute path."""
+    url = urlparse(text)
+    try:
+        if url.scheme == "file" and url.path.startswith("/") and not url.netloc or url.scheme == "tcp" and url.hostname \
+                and 0 < (url.port or 0) < 65536:
+            return text
+    except ValueError:  # a port that is not a number
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: use tcp://HOST:PORT (rank 0's address) or file:///shared/path")
+
+
+def check_file_rendezvous(init_method, timeout):
+    """file://: its folder must exist; a file older than --timeout is a crashed run's (the ranks would meet there)."""
+    path = Path(urlparse(init_method).path)
+    if not init_method.startswith("file://"):
+        return
+    if not path.parent.is_dir():
+        raise FatalError(f"rendezvous folder {path.parent} does not exist; create it on a filesystem every machine "
+                         f"shares")
+    if path.exists() and time.time() - path.stat().st_mtime > timeout:
+        raise FatalError(f"rendezvous file {path} is left over from an earlier run "
+                         f"({time.time() - path.stat().st_mtime:.0f}s old); delete it or pass a new file:// name")
 
 
 if __name__ == "__main__":

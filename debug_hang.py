@@ -57,7 +57,7 @@ from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.torch_version import TorchVersion
-from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset, default_convert
 
 from common.checkpoint import prepare_output, save_weights
 from common.cli import REQUIRED, UsageError, flag, parse_config, run_main
@@ -198,8 +198,10 @@ def train(cfg, bug, fix, ctx, output, watch):
         train_sampler = StrideSampler(train_set, ctx.rank, ctx.world_size, cfg.seed)  # BUG: no padding
     else:
         train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
-    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // ctx.world_size, sampler=train_sampler)
-    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // ctx.world_size, sampler=train_sampler,
+                              collate_fn=default_convert)
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
+                             collate_fn=default_convert)
     print(f"[rank {ctx.rank}] {len(train_sampler)} training images, {len(train_loader)} batches\n", end="", flush=True)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter

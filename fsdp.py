@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
 from common.checkpoint import (StopAtTimeLimit, atomic_save, find_sharded_snapshot, finish_sharded_snapshot,
                                flat_optimizer_options, prepare_output, print_resumed, sharded_snapshot_due,
@@ -72,11 +72,11 @@ def train(cfg, ctx):
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
-                              sampler=train_sampler)
+                              sampler=train_sampler, collate_fn=default_convert)
     # Every forward() all-gathers (a collective): test batches sized from the largest shard, as many on every rank.
     largest = math.ceil(len(test_set) / ctx.world_size)
     test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)),
-                             batch_size=math.ceil(largest / math.ceil(largest / 1000)))
+                             batch_size=math.ceil(largest / math.ceil(largest / 1000)), collate_fn=default_convert)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)

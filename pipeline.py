@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
 from common.cli import POSITIVE, UsageError, flag, parse_config, run_main
@@ -80,8 +80,8 @@ def train(cfg, ctx):
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
-    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=train_sampler)
-    test_loader = DataLoader(test_set, batch_size=cfg.batch_size)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=train_sampler, collate_fn=default_convert)
+    test_loader = DataLoader(test_set, batch_size=cfg.batch_size, collate_fn=default_convert)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)

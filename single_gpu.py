@@ -6,7 +6,7 @@
 Every later chapter is this file plus the lines its strategy needs: `diff single_gpu.py ddp_launch.py`.
 """
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.cli import parse_config, run_main
@@ -35,8 +35,9 @@ def train(cfg, ctx):
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
-    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // cfg.accum_steps, sampler=train_sampler)
-    test_loader = DataLoader(test_set, batch_size=1000)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // cfg.accum_steps, sampler=train_sampler,
+                              collate_fn=default_convert)  # a batch comes whole from the dataset: nothing to stack
+    test_loader = DataLoader(test_set, batch_size=1000, collate_fn=default_convert)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
@@ -45,7 +46,7 @@ def train(cfg, ctx):
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
-    scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
     metrics = MetricsLog(output, ctx, first_epoch)

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
 from common.cli import POSITIVE, UsageError, check_fsdp2, flag, parse_config, run_main
@@ -91,12 +91,12 @@ def train(cfg, ctx):
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=cfg.dp, rank=dp_rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (cfg.dp * cfg.accum_steps),
-                              sampler=train_sampler)
+                              sampler=train_sampler, collate_fn=default_convert)
     # Every forward() is collective (tp: an all-reduce per layer pair; dp: FSDP2's gathers), so every rank runs as many
     # test batches: sized from the largest shard (row 0's), they come out the same number in every row.
     largest = math.ceil(len(test_set) / cfg.dp)
     test_loader = DataLoader(Subset(test_set, range(dp_rank, len(test_set), cfg.dp)),
-                             batch_size=math.ceil(largest / math.ceil(largest / 1000)))
+                             batch_size=math.ceil(largest / math.ceil(largest / 1000)), collate_fn=default_convert)
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)

@@ -76,14 +76,13 @@ def on_rank0_then_all_reduce(write, ctx, what):
 
 
 def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=None):
-    """With --snapshot, when due, rank 0 writes the file (every rank learns whether it could); hook_state: a DDP
-    communication hook's (PowerSGD's), which gathers every rank's own part itself."""
+    """With --snapshot, when due: rank 0 writes it, every rank learns if it could; hook_state: PowerSGD's, gathered."""
     if snapshot_due(epochs_done, cfg):
         hook = hook_state.all_gather(ctx) if hook_state else None
         on_rank0_then_all_reduce(lambda: atomic_save(dict(
             format=SNAPSHOT_FORMAT, epochs_done=epochs_done, config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS},
             model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
-            optimizer=optimizer.state_dict(), scaler=scaler.state_dict() if scaler else None,  # fp16's loss scale
+            optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),  # fp16's loss scale ({} when off)
             comm_hook=hook), cfg.snapshot), ctx, f"write the snapshot {cfg.snapshot}")
 
 
@@ -125,7 +124,7 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state=None):
     try:
         getattr(model, "module", model).load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
-        if scaler and snapshot.get("scaler"):
+        if snapshot.get("scaler"):  # fp16's (a snapshot's flags match this run's --precision)
             scaler.load_state_dict(snapshot["scaler"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise FatalError(f"snapshot {path} holds a different model ({str(e).strip().splitlines()[0]}); {FIX}") from None
@@ -142,8 +141,7 @@ def print_resumed(ctx, where, epochs_done, cfg):
 
 
 class StopAtTimeLimit:
-    """SIGUSR1, which SLURM sends ahead of a job's time limit (scripts/job.sh): the ranks stop after the epoch it came
-    in, once a --snapshot holds it, and the requeued job resumes there. Made in the main thread (a signal handler)."""
+    """SIGUSR1, SLURM's warning before the time limit (scripts/job.sh): stop after this epoch, once saved."""
 
     def __init__(self):
         self.warned = threading.Event()
@@ -160,8 +158,7 @@ class StopAtTimeLimit:
 
 
 def flat_optimizer_options():
-    """get_state_dict's StateDictOptions for sharded snapshots, the optimizer's state flattened: one entry per weight
-    and setting, so a pipeline stage finds its own whichever stage saved them (else param_groups list the saver's)."""
+    """Sharded snapshots' optimizer state flattened, so a pipeline stage finds its own whichever stage saved it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions  # a second of imports chapter 1 need not pay
 
     return StateDictOptions(flatten_optimizer_state_dict=True)
@@ -186,8 +183,7 @@ def sharded_snapshot_errors(what, fix=FIX):
 
 
 def finish_sharded_snapshot(folder, epochs_done, cfg, ctx):
-    """Once every rank wrote its slices: rank 0's folder/snapshot.pt makes the snapshot count (a run killed before it
-    resumes from the previous one), and the older epoch-* folders go; every rank learns whether it managed."""
+    """Rank 0's folder/snapshot.pt makes the sharded snapshot count (older epoch-* folders go); all learn if so."""
     def write():
         atomic_save(dict(format=SHARDED_FORMAT, epochs_done=epochs_done, world_size=ctx.world_size,
                          config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS}), folder / "snapshot.pt")
@@ -199,8 +195,7 @@ def finish_sharded_snapshot(folder, epochs_done, cfg, ctx):
 
 
 def find_sharded_snapshot(cfg):
-    """(folder, epochs done, world size that saved it) of the newest finished snapshot under --snapshot DIR, checked
-    against this run's flags; None when there is none (or no --snapshot)."""
+    """(folder, epochs done, saving world size) of the newest finished snapshot, checked against this run; or None."""
     if not cfg.snapshot:
         return None
     root = Path(cfg.snapshot)

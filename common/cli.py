@@ -2,7 +2,6 @@
 import argparse
 import contextlib
 import ctypes
-import functools
 import os
 import re
 import sys
@@ -52,8 +51,7 @@ def device_type(text):
 
 
 def flag(default, kind, text, check=None):
-    """A flag: its default, type (its choices, or bool for a switch) and --help text; check(cfg) says why the flags
-    cannot work together, or None."""
+    """A flag: its default, type (choices, or bool: a switch), --help text; check(cfg): why flags clash, or None."""
     return field(default=default, metadata=dict(kind=kind, text=text, check=check))
 
 
@@ -122,8 +120,7 @@ def parse_config(argv=None, description=None, **chapter_flags):
 
 
 def check_fsdp2(cfg, script, sharded_over, uses_fsdp2=True):
-    """What sharded weights refuse (fsdp.py; tensor_parallel.py, FSDP2 at --dp 2+), in one line and exit 2, before
-    any rendezvous: fp16, fewer test images than the ranks FSDP2 shards over, a torch whose FSDP2 cannot run here."""
+    """What sharded weights refuse, in one line before any rendezvous: fp16, too few test images, too old a torch."""
     if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
         raise UsageError(f"{script} trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
                          f"gradient slices for overflow, which this chapter does not have: use --precision bf16")
@@ -151,8 +148,7 @@ EXPLAINED = [
     (r"No working C\+\+ compiler found", lambda m: "--compile needs a working C++ compiler to build its CPU kernels "
      "(g++, or the one $CXX names) and found none: install one (`apt-get install g++`, as `make tools` does), or run "
      "without --compile"),
-    # --compile on a GPU: Triton builds a small C launcher with the C compiler in $CC (else gcc or clang) and Python's
-    # headers; with no compiler it says so, and a failed build ends in the compiler's command (its error is above).
+    # --compile on a GPU: Triton builds its launcher with $CC (else gcc, clang); a failed build names the command.
     (r"Failed to find C\+?\+? compiler|Command '\['([^']+)', '[^']+\.c', '-O3', '-shared'.*returned non-zero", lambda m: (
         f"--compile on a GPU: Triton could not build its kernel launcher ({m[1] or 'no C compiler'}"
         f"{' failed: its error is above' if m[1] else ''}): install gcc and Python's headers (`apt-get install gcc "
@@ -180,26 +176,12 @@ def stop(error, rank=None):
 
 
 def end_process(code):
-    """Flush what was printed, then end with code at once: no interpreter shutdown, where a thread of torch's (gloo's)
-    asking for the GIL is ended by pthread_exit and aborts the process (pytorch/pytorch#179291)."""
+    """Flush, then os._exit: an interpreter shutdown can abort on a gloo thread that wants the GIL (pytorch#179291)."""
     with contextlib.suppress(OSError, ValueError):  # a reader that left, a closed stream: nothing more to show
         sys.stdout.flush()
         sys.stderr.flush()
     ctypes.CDLL(None).fflush(None)  # C's stdio too (NCCL's and gloo's own lines)
     os._exit(code)
-
-
-def spawned(fn):
-    """Decorator for an mp.spawn worker fn(rank, ...): its error ends it as run_main ends a chapter (stop)."""
-    @functools.wraps(fn)
-    def worker(rank, *args):
-        try:
-            fn(rank, *args)
-        except Exception as e:
-            stop(e, rank)
-        end_process(0)  # not back into spawn, whose sys.exit would shut the interpreter down (see end_process)
-
-    return worker
 
 
 def run_main(main):

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from common.cli import FatalError, flag
 
@@ -31,24 +32,19 @@ def comm_hook_type(text):
 
 
 def gpu_machines_cpu(cfg):
-    """torch's PowerSGD hook calls torch.cuda.synchronize(device) wherever CUDA is available: on the CPU's gradients
-    under --device cpu it fails at the first compressed step."""
+    """torch's PowerSGD hook syncs CUDA on the gradients' device wherever CUDA exists: on --device cpu it fails."""
     if cfg.comm_hook.startswith("powersgd") and cfg.device == "cpu" and torch.cuda.is_available():
         return ("--comm-hook powersgd cannot train with --device cpu where a GPU is visible: torch's PowerSGD hook "
                 "then calls torch.cuda.synchronize() on the CPU's gradients and fails at its first compressed step; "
                 "train on the GPUs, or hide them to train on the CPU (CUDA_VISIBLE_DEVICES=)")
 
 
-COMM_HOOK = flag("none", comm_hook_type, "DDP's communication hook: what each all-reduce sends: bf16/fp16 halve the "
-                 "bytes; powersgd[:R[:START]] all-reduces whole gradients for START steps (default 2), then a rank-R "
-                 "approximation (default 1) (docs/scaling.md)", check=gpu_machines_cpu)
+COMM_HOOK = flag("none", comm_hook_type, "what DDP's all-reduces send: bf16/fp16 halve the bytes; powersgd[:R[:START]]:"
+                 " whole gradients for START steps (default 2), then rank-R factors (R: 1)", check=gpu_machines_cpu)
 
 
 def register_comm_hook(model, cfg):
-    """--comm-hook: torch's hook for what each bucket's all-reduce sends (bf16/fp16: the gradients in 16 bits;
-    powersgd: each weight's as two rank-R factors, the rest added to the next step's); PowerSGD's state, or None."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
+    """--comm-hook: torch's hook for what each bucket's all-reduce sends; PowerSGD's state (for snapshots), or None."""
     name, *numbers = cfg.comm_hook.split(":")
     if name in ("bf16", "fp16"):
         model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
@@ -61,22 +57,18 @@ def register_comm_hook(model, cfg):
 
 
 class PowerSGD:
-    """torch's PowerSGD hook, its state saved and loaded with --snapshot, run in the order of the parameters its
-    residuals were kept in (a new DDP's first step holds them in the model's order, later steps reversed)."""
+    """torch's PowerSGD hook, with its state in --snapshot and its residuals met in the order they were kept in."""
 
     def __init__(self, state, model):
         self.state, self.orders = state, {}  # orders: per bucket, its parameters' order (indices into the model's)
         self.index = {id(p): i for i, p in enumerate(model.parameters())}
 
     def in_bucket_order(self, state, bucket):
-        """The hook: torch's, on the bucket, or, on a resumed run's first step, on a copy laid out as the snapshot's
-        steps had it (MKL's bmm of a gradient by its Q rounds by the gradient's address mod 16 bytes)."""
-        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
-
+        """torch's hook; on a resumed first step, on a copy laid out as before (MKL rounds by address mod 16 bytes)."""
         order, b = [self.index[id(p)] for p in bucket.parameters()], bucket.index()
         if self.orders.setdefault(b, order) == order or b not in state.error_dict:
             self.orders[b] = order
-            return powerSGD_hook(state, bucket)
+            return powerSGD_hook.powerSGD_hook(state, bucket)
         at = {i: k for k, i in enumerate(order)}
         own = [bucket.gradients()[at[i]] for i in self.orders[b]]  # views of DDP's buffer, in the kept order
         flat = torch.cat([g.reshape(-1) for g in own])  # a new buffer, aligned as DDP's
@@ -89,16 +81,13 @@ class PowerSGD:
                 g.copy_(new)
             return bucket.buffer()
 
-        return powerSGD_hook(state, laid).then(copy_back)
+        return powerSGD_hook.powerSGD_hook(state, laid).then(copy_back)
 
     def all_gather(self, ctx):
-        """An all_gather_object (every rank calls it) of each rank's state, for rank 0's snapshot: its step count, the
-        factors every rank shares, the residuals each rank keeps of its own, numpy's random state (Q's first draw)."""
-        _, keys, pos, has_gauss, gauss = self.state.rng.get_state()
+        """Every rank's state for rank 0's snapshot: step, factors, residuals (no rng: warm_start draws Q once)."""
         cpu = lambda tensors: {b: t.cpu() for b, t in tensors.items()}  # noqa: E731
         mine = dict(iter=self.state.iter, orders=self.orders, error=cpu(self.state.error_dict),
-                    p=cpu(self.state.p_memory_dict), q=cpu(self.state.q_memory_dict),
-                    rng=[torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss])
+                    p=cpu(self.state.p_memory_dict), q=cpu(self.state.q_memory_dict))
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, mine)
         return everyone
@@ -113,5 +102,3 @@ class PowerSGD:
         state.iter, self.orders = mine["iter"], mine.get("orders", {})
         state.error_dict, state.p_memory_dict, state.q_memory_dict = (
             {b: t.to(ctx.device) for b, t in mine[k].items()} for k in ("error", "p", "q"))
-        keys, pos, has_gauss, gauss = mine["rng"]  # the keys: a tensor where the load put it (a GPU's has no .numpy())
-        state.rng.set_state(("MT19937", keys.cpu().numpy().astype("uint32"), pos, has_gauss, gauss))

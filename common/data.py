@@ -17,8 +17,7 @@ HOW_TO_GET = ("run `make data` (it unpacks Debian's dataset-fashion-mnist there:
 
 
 def locate_fashion_mnist(data_dir=None):
-    """The folder torchvision's FashionMNIST(root) reads, --data-dir or ./data; torchvision downloads it the first
-    time, where make has not unpacked Debian's copy there (unpack_debian_copy)."""
+    """The folder torchvision's FashionMNIST(root) reads: --data-dir or ./data, downloaded there if it is empty."""
     root, names = Path(data_dir or "data"), [Path(name).stem for name, _ in FashionMNIST.resources]
     if data_dir is not None and not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
         raise FatalError(f"--data-dir {data_dir} is not a readable folder; fix the path or leave --data-dir out")
@@ -44,8 +43,7 @@ def download(root):
 
 
 class DeviceImages(Dataset):
-    """torchvision's .data and .targets (uint8, 55 MB) on the training device (no host copy per step): items and
-    batches as ToTensor gives them, float32 in [0, 1]."""
+    """torchvision's uint8 .data/.targets on the device: a batch is one gather there, scaled as ToTensor scales."""
 
     def __init__(self, images, labels):
         self.images, self.labels = images, labels
@@ -56,12 +54,11 @@ class DeviceImages(Dataset):
     def __getitem__(self, index):
         return self.images[index].float().div_(255), self.labels[index]  # ToTensor's scaling
 
-    def __getitems__(self, indices):  # the DataLoader's batched fetch: one gather and one scaling per batch
+    def __getitems__(self, indices):  # the DataLoader's batched fetch: the whole batch (collate_fn=default_convert)
         index = torch.tensor(indices)
         if self.labels.is_cuda:  # pinned, so the copy to the GPU need not wait for it (pageable: a sync)
             index = index.pin_memory().to(self.labels.device, non_blocking=True)
-        images = self.images.index_select(0, index).float().div_(255)
-        return list(zip(images.unbind(0), self.labels.index_select(0, index).unbind(0)))
+        return self.images.index_select(0, index).float().div_(255), self.labels.index_select(0, index)
 
 
 def load_fashion_mnist(cfg, device):
@@ -78,9 +75,7 @@ def load_fashion_mnist(cfg, device):
 
 
 def unpack_debian_copy(root="data", packed=os.environ.get("FASHION_MNIST_SYSTEM_DIR", "/usr/share/datasets/fashion-mnist")):
-    """Debian's four .gz files (dataset-fashion-mnist) into root/FashionMNIST/raw, where torchvision reads them (their
-    bytes are recompressed, so not the ones its download checks), each by extract_archive into a folder of this
-    process's own, then renamed: a process that reads or unpacks meanwhile never sees half a file. `make data`."""
+    """`make data`: Debian's recompressed .gz files unpacked into root/FashionMNIST/raw, renamed in whole."""
     raw = Path(root) / "FashionMNIST" / "raw"
     names = [Path(name).stem for name, _ in FashionMNIST.resources]
     if all((raw / name).is_file() for name in names):

@@ -19,7 +19,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def autocast(cfg, device):
     """--precision bf16/fp16: matrix products run in 16 bits, the weights, optimizer and loss stay float32."""
-    return torch.autocast(device.type, dtype=DTYPES[cfg.precision], enabled=cfg.precision != "fp32")
+    return torch.autocast(device.type, DTYPES[cfg.precision]) if cfg.precision != "fp32" else contextlib.nullcontext()
 
 
 def synchronize(device):
@@ -29,9 +29,9 @@ def synchronize(device):
 
 
 def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, no_sync=None, gradient_sync=None):
-    """One pass over this rank's batches, --accum-steps of them a step, with the quickstart's loss lines. no_sync,
-    gradient_sync: the strategy's way to keep a micro-batch's gradients on this rank (DDP's, FSDP2's)."""
+    """One pass, --accum-steps batches a step; no_sync/gradient_sync: how the strategy keeps gradients local."""
     model.train()
+    scaler = scaler or torch.amp.GradScaler(ctx.device.type, enabled=False)  # fp32, bf16: a plain optimizer.step()
     size, steps = len(loader.dataset), math.ceil(len(loader) / cfg.accum_steps)  # size: every rank's images
     loss_sum, seen = torch.zeros((), device=ctx.device), 0  # summed on the device: no host sync per step
     synchronize(ctx.device)
@@ -50,13 +50,10 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, 
                     loss = loss_fn(model(X), y) * (len(y) / images)  # each weighted by its share of the step's images
                 # DDP: this backward() averages the gradients over the ranks, bucket by bucket while it runs (FSDP2
                 # reduce-scatters them); under no_sync() they only add up here.
-                (scaler.scale(loss) if scaler else loss).backward()
+                scaler.scale(loss).backward()  # fp16: the loss scaled up first (a disabled scaler passes it on)
             step_loss = step_loss + loss.detach()
-        if scaler:  # fp16: skips a step whose gradients overflowed, and lowers the scale
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        scaler.step(optimizer)  # optimizer.step(); fp16: skipped where the gradients overflowed, and the scale lowered
+        scaler.update()
         optimizer.zero_grad()
         loss_sum.add_(step_loss, alpha=images)
         seen += images
@@ -64,8 +61,8 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, 
             print_loss_line(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics)
         step += 1
     print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics)
-    if scaler:  # one read of the scale per epoch (it lives on the device): halved per skipped step, doubled
-        print0(ctx, f"fp16 loss scale: {scaler.get_scale():g}")  # after 2000 steps in a row without inf/NaN
+    if scaler.is_enabled():  # one read of the scale per epoch (it lives on the device): halved per skipped step,
+        print0(ctx, f"fp16 loss scale: {scaler.get_scale():g}")  # doubled after 2000 steps in a row without inf/NaN
 
 
 def print_loss_line(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics):
@@ -90,9 +87,8 @@ def print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics):
 def evaluate(model, loader, epoch, ctx, metrics):
     """Accuracy and mean loss over the whole test set (each rank counts its shard), in float32 whatever --precision."""
     model.eval()
-    loss_sum = torch.zeros((), device=ctx.device)
+    loss_sum, seen = torch.zeros((), device=ctx.device), 0
     correct = torch.zeros((), dtype=torch.long, device=ctx.device)
-    seen = 0
     for X, y in loader:
         X, y = X.to(ctx.device), y.to(ctx.device)
         pred = model(X)

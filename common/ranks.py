@@ -1,14 +1,10 @@
 """Who this process is among the ranks, which device it computes on, how the launchers start them, and the few things
 all ranks say together."""
-import argparse
 import os
-import re
 import socket
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -27,8 +23,7 @@ class DistContext:
     data_group: object = None  # the ranks whose batches differ, that sums run over (None: all; chapter 9: its dp row)
 
     @property
-    def is_main(self):
-        """Global rank 0: the one process that prints the tutorial lines and writes files."""
+    def is_main(self):  # global rank 0: the one process that prints the tutorial's lines and writes files
         return self.rank == 0
 
 
@@ -40,11 +35,10 @@ def choose_device(requested=None):
     return device
 
 
-def print0(ctx, *args, **kwargs):
+def print0(ctx, *args):
     """print() on global rank 0 only, as one flushed write, so other ranks' lines cannot land inside it."""
     if ctx.is_main:
-        sep, end = kwargs.pop("sep", " "), kwargs.pop("end", "\n")
-        print(sep.join(map(str, args)) + end, end="", flush=True, **kwargs)
+        print(" ".join(map(str, args)) + "\n", end="", flush=True)
 
 
 def all_reduce_sum(values, ctx, group=None):
@@ -60,37 +54,32 @@ def all_reduce_sum(values, ctx, group=None):
 # ---- Several ranks: each one's device, the launchers' checks, the lines they all say ----
 
 def rank_device(requested, local_rank, ranks_here=None):
-    """A DDP rank's device: the CPU, or cuda:<local rank> (ranks_here: the ranks a launcher shows this machine's GPUs:
-    torchrun, mp.spawn), or a rank's own GPU (srun --gpus-per-task 1, by hand: one GPU seen); else one line why not."""
+    """A rank's device: the CPU, cuda:<local rank>, or its one visible GPU (srun, by hand); else one line why not."""
     if requested not in (None, "cpu", "cuda"):
         raise UsageError(f"--device {requested}: a DDP rank always uses the GPU of its local rank; choose the GPUs with "
                          f"CUDA_VISIBLE_DEVICES (e.g. CUDA_VISIBLE_DEVICES=2,3) and pass --device cuda or nothing")
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    if ranks_here and ranks_here > gpus:
-        raise UsageError(f"{ranks_here} ranks on this machine but {gpus} GPU(s) visible: start at most one rank per "
-                         f"GPU (check CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu")
     if gpus == 1 and not ranks_here:  # this rank's own GPU, whatever its index on the machine
         return torch.device("cuda", 0)
-    if local_rank >= gpus:
-        raise UsageError(f"local rank {local_rank} but {gpus} GPU(s) visible (cuda:0 .. cuda:{gpus - 1}): start at "
-                         f"most one rank per GPU (check CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu")
+    if max(ranks_here or 0, local_rank + 1) > gpus:
+        raise UsageError(f"{f'{ranks_here} ranks on this machine' if ranks_here else f'local rank {local_rank}'} but "
+                         f"{gpus} GPU(s) visible: start at most one rank per GPU (check CUDA_VISIBLE_DEVICES), or "
+                         f"train on the CPU with --device cpu")
     return torch.device("cuda", local_rank)
 
 
 def check_global_batch(batch_size, world_size, accum_steps=1):
     """--batch-size is the global batch, so it must split evenly over the ranks and their --accum-steps micro-batches."""
-    parts = world_size * accum_steps
-    if batch_size % parts:
+    if batch_size % (world_size * accum_steps):
         split = f"{world_size} ranks" + (f" x {accum_steps} micro-batches" if accum_steps > 1 else "")
-        raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over {split}; "
-                         f"use a multiple of {parts}, e.g. {batch_size // parts * parts or parts}")
+        raise UsageError(f"--batch-size {batch_size} is the global batch and must split evenly over {split}; use a "
+                         f"multiple of {world_size * accum_steps}")
 
 
 def check_torchrun_worker():
-    """One line unless this is a torchrun worker whose restarts (--max-restarts) each get a fresh store: sharing
-    torchrun's own (its default), a restart's workers meet among the dead ones' keys (torch 2.14 keeps them all)."""
+    """A torchrun worker, whose --max-restarts each need a fresh store (a shared one keeps the dead workers' keys)."""
     if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
         raise UsageError(f"RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
                          f"`torchrun --standalone --nproc-per-node 2 {Path(sys.argv[0]).name}`")
@@ -100,42 +89,11 @@ def check_torchrun_worker():
                          "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
 
 
-def default_nprocs(requested=None):
-    """ddp_mp.py's default: one process per visible GPU; 2 on the CPU, so the chapter still shows two ranks."""
-    return torch.cuda.device_count() if requested != "cpu" and torch.cuda.is_available() else 2
-
-
 def free_port(host="127.0.0.1"):
     """A port the OS says is free right now (instead of a hard-coded 12355 that a second job would collide on)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def rendezvous_url(text):
-    """--init-method's type: tcp://HOST:PORT with a port in 1..65535, or file:// with an absolute path."""
-    url = urlparse(text)
-    try:
-        if url.scheme == "file" and url.path.startswith("/") and not url.netloc or url.scheme == "tcp" and url.hostname \
-                and 0 < (url.port or 0) < 65536:
-            return text
-    except ValueError:  # a port that is not a number
-        pass
-    raise argparse.ArgumentTypeError(f"{text!r}: use tcp://HOST:PORT (rank 0's address) or file:///shared/path")
-
-
-def check_file_rendezvous(init_method, timeout):
-    """For file://: its folder must exist, and a file older than --timeout was left by a crashed run (a clean run
-    removes it): the ranks would meet among the old run's keys."""
-    path = Path(urlparse(init_method).path)
-    if not init_method.startswith("file://"):
-        return
-    if not path.parent.is_dir():
-        raise FatalError(f"rendezvous folder {path.parent} does not exist; create it on a filesystem every machine "
-                         f"shares")
-    if path.exists() and time.time() - path.stat().st_mtime > timeout:
-        raise FatalError(f"rendezvous file {path} is left over from an earlier run "
-                         f"({time.time() - path.stat().st_mtime:.0f}s old); delete it or pass a new file:// name")
 
 
 # Flags every rank must share: with others, the ranks take different numbers of steps or collectives, and gloo
@@ -145,8 +103,7 @@ SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_s
 
 
 def all_gather_flags(cfg, ctx):
-    """An all_gather of every rank's host and flags: ranks started with other flags stop in one line; each prints its
-    line; its CPU threads (its share of its machine's cores, unless OMP_NUM_THREADS says: more would oversubscribe)."""
+    """Every rank's host and flags: a mismatch stops all in one line; each prints its line; its share of the cores."""
     flags = {name: getattr(cfg, name) for name in SAME_ON_EVERY_RANK} | {"snapshot": cfg.snapshot is not None}
     everyone, host = [None] * ctx.world_size, socket.gethostname()
     dist.all_gather_object(everyone, (host, flags))
@@ -173,8 +130,7 @@ def cpu_threads(ranks_here):
 
 
 def print_parameter_bytes(model, ctx):
-    """One line from rank 0 after an all_gather: the whole model's parameter bytes and those each rank holds (a DTensor's
-    local slice, a plain parameter whole; pipeline stages hold whole layers, no two ranks the same)."""
+    """Rank 0's line: the model's parameter bytes, and those each rank holds (a DTensor's slice, a stage's layers)."""
     mine = sum(getattr(p, "to_local", lambda: p)().numel() * p.element_size() for p in model.parameters())
     full = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel() is the whole
     everyone = [None] * ctx.world_size
@@ -192,11 +148,7 @@ NO_RANK0 = ("rank 0 is not running there, a firewall blocks the port, or the add
             "the address and port, and set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches it")
 MISSING_PEERS = ("start every rank, with the same address and world size; a firewall between the machines, or "
                  "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the wrong interface, keeps them apart too")
-PORT = r"port: (\d+)"
 DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line for them)
-    (r"EADDRINUSE|ddress already in use", lambda m: (
-        f"port {''.join(re.findall(PORT, m.string)[:1]) or '?'} is busy (another job or a leftover process holds it); "
-        f"pick a free port (MASTER_PORT, --init-method tcp://HOST:OTHER_PORT) or stop the old job")),
     (r"Unable to find address for: ?(\S+)", lambda m: (
         f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', m[1])} is not a network interface of this "
         f"machine; set it to the one on the network the ranks share (`ip -br addr` lists them), or unset it")),
@@ -207,7 +159,7 @@ DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line 
     (r"^\s*(Wait timeout|Socket Timeout)\s*$", lambda m: (  # a store's wait ran out: a peer never came
         f"not every rank reached the rendezvous within --timeout: {MISSING_PEERS}")),
     (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m: (  # gloo: a peer's process died
-        f"lost contact with the other ranks ({_first_line(m.string)}): another rank died (see its log), or the "
+        f"lost contact with the other ranks ({m[0]}): another rank died (see its log), or the "
         f"network between them failed")),
     # gloo: a peer stopped answering but kept its connection (stopped, hung, or elsewhere), or gloo then closed it
     (r"Timed out waiting (\d+)ms for (?:recv|send) operation|Application timeout caused pair closure", lambda m: (
@@ -216,14 +168,7 @@ DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line 
 ]
 
 
-def _first_line(text):
-    """The first line of an error's text, without gloo's "[.../pair.cc:545]" source prefix."""
-    line = next((x for x in str(text).strip().splitlines() if x.strip()), "")
-    return re.sub(r"^\[[^\]]*\]\s*", "", line).split(". This is typically")[0].strip()
-
-
 def name_rank_in_errors(rank, world_size):
-    """From now on this rank's error lines start with [rank N], and torch's words for ranks that miss each other are
-    explained."""
+    """From now on this rank's error lines start [rank N], and torch's words for lost ranks are explained."""
     RANK[0] = rank if world_size > 1 else None
     EXPLAINED.extend(x for x in DISTRIBUTED_ERRORS if x not in EXPLAINED)

@@ -30,9 +30,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/, when run as scripts/preflight.py
 
-from common.cli import POSITIVE, FatalError, explain, flag, parse_config, run_main, spawned  # noqa: E402
+from common.cli import POSITIVE, FatalError, explain, flag, parse_config, run_main  # noqa: E402
 from common.comm_hooks import COMM_HOOK  # noqa: E402
-from common.ranks import DistContext, default_nprocs, free_port, name_rank_in_errors, rank_device  # noqa: E402
+from common.ranks import DistContext, free_port, name_rank_in_errors, rank_device  # noqa: E402
+from ddp_mp import spawned  # noqa: E402  (how chapter 4's workers end)
 from ddp_slurm import first_node  # noqa: E402
 
 # Buffer sizes swept as nccl-tests sweeps them (x4 a step): from latency-bound to bandwidth-bound. On GPUs up to 256
@@ -181,7 +182,8 @@ def main():
     cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK,  # the job's flags are accepted as they are
                        nprocs=flag(None, POSITIVE, "processes to spawn, as ddp_mp.py (default one per visible GPU)"))
     if cfg.nprocs is not None or not ({"RANK", "WORLD_SIZE"} <= os.environ.keys() or "SLURM_STEP_ID" in os.environ):
-        world_size = cfg.nprocs or default_nprocs(cfg.device)  # as ddp_mp.py: mp.spawn on this machine
+        gpus = torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 0
+        world_size = cfg.nprocs or gpus or 2  # as ddp_mp.py: mp.spawn on this machine
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         try:

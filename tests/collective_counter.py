@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.cli import Config  # noqa: E402
@@ -72,7 +72,8 @@ def main():
             for k in (1, 2, 4):
                 cfg = Config(batch_size=32, accum_steps=k, log_every=1000)
                 sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
-                loader = DataLoader(data, batch_size=cfg.batch_size // (ctx.world_size * k), sampler=sampler)
+                loader = DataLoader(data, batch_size=cfg.batch_size // (ctx.world_size * k), sampler=sampler,
+                                    collate_fn=default_convert)
                 torch.manual_seed(0)
                 counts.clear()
                 model = wrap(counts)

@@ -132,8 +132,7 @@ atomic_save(dict(format=SNAPSHOT_FORMAT, comm_hook=saved.all_gather(ctx)), sys.a
 snapshot = read_snapshot(sys.argv[1], SNAPSHOT_FORMAT)
 _, loaded = trained_hook()
 loaded.load(on_the_gpu(snapshot["comm_hook"]), ctx, sys.argv[1])
-same = [loaded.state.iter == saved.state.iter, loaded.state.rng.get_state()[1].tolist() ==
-        saved.state.rng.get_state()[1].tolist()] + [torch.equal(mine[0], theirs[0]) for mine, theirs in (
+same = [loaded.state.iter == saved.state.iter] + [torch.equal(mine[0], theirs[0]) for mine, theirs in (
         (list(loaded.state.error_dict.values()), list(saved.state.error_dict.values())),
         (list(loaded.state.q_memory_dict.values()), list(saved.state.q_memory_dict.values())))]
 print("resumed:", all(same), same, flush=True)
@@ -142,8 +141,9 @@ dist.destroy_process_group()
 
 
 def test_a_powersgd_snapshot_loads_onto_a_gpu(tmp_path):
-    """On a GPU a snapshot loads straight onto the rank's device, numpy's random-state keys too: the hook's state must
-    come back whole from tensors that cannot become numpy arrays (on a GPU every rank stopped with a TypeError)."""
+    """On a GPU a snapshot loads straight onto the rank's device: the hook's state must come back whole from tensors
+    that cannot become numpy arrays (numpy's random-state keys once did: every rank stopped with a TypeError; they
+    are no longer saved, as warm_start draws Q once per bucket and keeps it)."""
     proc = subprocess.run([sys.executable, "-c", DEVICE_LOAD, str(tmp_path / "snap.pt")], cwd=REPO, env=dict(
         BASE_ENV, PYTHONPATH=f"{REPO}:{BASE_ENV['PYTHONPATH']}"), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

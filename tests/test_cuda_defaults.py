@@ -12,7 +12,7 @@ import traceback
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common import engine
 from common.cli import Config
@@ -79,7 +79,7 @@ def test_a_training_step_reads_and_copies_nothing_on_the_host(precision, fake_da
     monkeypatch.setattr(engine, "autocast", lambda cfg, device: contextlib.nullcontext())  # no autocast on meta
     train_set, _, _ = load_fashion_mnist(cfg, ctx.device)
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)  # the chapters' line
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, collate_fn=default_convert)  # chapters'
     model = NeuralNetwork().to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     scaler = torch.amp.GradScaler("meta") if precision == "fp16" else None

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
 from common import data
 from common.cli import Config, FatalError
@@ -26,8 +26,9 @@ def test_load_from_data_dir(tmp_path):
     # an item and a batch are what torchvision's ToTensor gives: float32 in [0, 1]
     image, label = test_set[3]
     assert image.dtype == torch.float32 and torch.equal(image.squeeze(0), images[3].float() / 255) and label == labels[3]
-    batch = test_set.__getitems__([5, 2])
-    assert torch.equal(batch[1][0], images[2].float().div(255).unsqueeze(0)) and batch[1][1] == labels[2]
+    batch_images, batch_labels = test_set.__getitems__([5, 2])  # a whole batch, as the DataLoader fetches it
+    assert torch.equal(batch_images, images[[5, 2]].float().div(255).unsqueeze(1))
+    assert torch.equal(batch_labels, labels[[5, 2]].long())
 
 
 def test_debians_copy_is_unpacked_into_the_data_folder(tmp_path):
@@ -95,7 +96,7 @@ def test_batches_match_torchvision_totensor(fake_data):
     train = load(fake_data)[0]
     quickstart = FashionMNIST(fake_data, train=True, transform=ToTensor())
     sampler = DistributedSampler(train, num_replicas=1, rank=0, seed=1)
-    loader = DataLoader(train, batch_size=100, sampler=sampler)  # the chapters' line
+    loader = DataLoader(train, batch_size=100, sampler=sampler, collate_fn=default_convert)  # the chapters' line
     batches = list(loader)
     assert [len(y) for _, y in batches] == [100, 100, 56] and len(loader) == 3  # the last partial batch is kept
     reference = list(DataLoader(quickstart, batch_size=100, sampler=sampler))
@@ -126,7 +127,8 @@ def test_shards_of_the_test_set_hold_each_image_once(n, world, fake_data):
     test_set = data.DeviceImages(test_set.images[:n], test_set.labels[:n])
     shards = [Subset(test_set, range(r, len(test_set), world)) for r in range(world)]  # the chapters' line
     assert sorted(i for shard in shards for i in shard.indices) == list(range(n))  # every image once
-    labels = torch.cat([y for shard in shards for _, y in DataLoader(shard, batch_size=1000)])
+    loaders = [DataLoader(shard, batch_size=1000, collate_fn=default_convert) for shard in shards]
+    labels = torch.cat([y for loader in loaders for _, y in loader])
     assert sorted(labels.tolist()) == sorted(test_set.labels.tolist())
 
 
@@ -134,7 +136,7 @@ def test_loader_batches_follow_the_sampler_and_its_epoch(fake_data):
     """The chapters' DataLoader serves exactly the sampler's order, anew per epoch."""
     train = load(fake_data)[0]
     sampler = DistributedSampler(train, num_replicas=2, rank=1, seed=5)
-    loader = DataLoader(train, batch_size=16, sampler=sampler)
+    loader = DataLoader(train, batch_size=16, sampler=sampler, collate_fn=default_convert)
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         order = list(sampler)

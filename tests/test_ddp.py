@@ -151,8 +151,10 @@ def test_busy_port_is_named(procs):
         p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{port}",
                          "--rank", "0", "--world-size", "2", "--timeout", "5"])
         code, _, err = procs.wait(p, timeout=60)
-    assert code == 1
-    one_error_line(err, f"port {port} is busy")
+    # torch's own words name the port and the cause (torch 2.6 and 2.14 alike), so they stay as torch wrote them
+    assert code == 1 and "Traceback" in err, err
+    assert err.strip().splitlines()[-1].startswith("error: [rank 0] ") and f"port: {port}," in err, err
+    assert "EADDRINUSE, message: address already in use" in err.strip().splitlines()[-1], err
 
 
 def test_wrong_interface_is_named(procs):
@@ -247,9 +249,12 @@ def test_no_hand_built_store_on_the_default_path():
 # Chapter 5 declares its four flags itself (--init-method, --rank, --world-size, --local-rank: how each process it
 # starts by hand learns who it is), and chapter 6 finds its rank 0 itself (the job's first node from `scontrol show
 # hostnames`, the port from the job id, and one line outside an srun step): each chapter's lesson, in the chapter.
-DIFF_BUDGETS = {("single_gpu.py", "dataparallel.py"): 50, ("single_gpu.py", "ddp_launch.py"): 79,
-                ("ddp_launch.py", "ddp_mp.py"): 45, ("ddp_launch.py", "ddp_tcp_manual.py"): 50,
-                ("ddp_launch.py", "ddp_slurm.py"): 55, ("ddp_launch.py", "fsdp.py"): 92,
+# Chapter 4 holds how a spawned worker ends (`spawned`, 11 lines) and chapter 5 what its --init-method accepts
+# (`rendezvous_url`, `check_file_rendezvous`, 22 lines): code only they use, in them (issue 40: not in every DDP
+# chapter's reach). A DDP chapter's test loader takes two lines where chapter 1's takes one (collate_fn).
+DIFF_BUDGETS = {("single_gpu.py", "dataparallel.py"): 50, ("single_gpu.py", "ddp_launch.py"): 81,
+                ("ddp_launch.py", "ddp_mp.py"): 60, ("ddp_launch.py", "ddp_tcp_manual.py"): 79,
+                ("ddp_launch.py", "ddp_slurm.py"): 55, ("ddp_launch.py", "fsdp.py"): 93,
                 ("fsdp.py", "tensor_parallel.py"): 165, ("ddp_launch.py", "pipeline.py"): 262}
 LESSON_CALLS = ("DistributedSampler(", "DataLoader(", "DDP(", "set_epoch(", "train_one_epoch(", "save_weights(",
                 "locate_fashion_mnist(", "barrier(", "StopAtTimeLimit", "time_limit")

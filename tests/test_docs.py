@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -198,13 +197,6 @@ def _weights_file(path, data):
     torch.save(NeuralNetwork().state_dict(), path)
 
 
-def _held_port(stack):
-    busy = stack.enter_context(socket.socket())
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    return busy.getsockname()[1]
-
-
 def _tcp(init, rank=0, world=2):
     return ["--init-method", init, "--rank", str(rank), "--world-size", str(world), "--timeout", "2"]
 
@@ -293,7 +285,7 @@ MAKE_IT_PRINT = {
     "GLOO_SOCKET_IFNAME=": lambda tmp, stack: (
         "ddp_tcp_manual.py", _tcp(f"tcp://127.0.0.1:{free_port()}", world=1), dict(GLOO_SOCKET_IFNAME="eth99")),
     "The connection to the C10d store has failed": "tests/test_multinode.py::test_c10d_endpoint_on_a_second_address_needs_is_host",
-    "is busy": lambda tmp, stack: ("ddp_tcp_manual.py", _tcp(f"tcp://127.0.0.1:{_held_port(stack)}"), {}),
+    "EADDRINUSE": "tests/test_ddp.py::test_busy_port_is_named",
     "must split evenly over 3 ranks": lambda tmp, stack: ("ddp_mp.py", ["--nprocs", "3"], {}),
     "must split into --accum-steps": lambda tmp, stack: ("single_gpu.py", ["--batch-size", "48", "--accum-steps", "5"], {}),
     "fsdp.py trains in --precision fp32 or bf16": lambda tmp, stack: ("fsdp.py", ["--precision", "fp16"], {}),

@@ -284,9 +284,10 @@ GLOO_ON_ONE_GPU = textwrap.dedent("""
     import torch, torch.distributed as dist, torch.multiprocessing as mp
     from common.cli import parse_config
     from common.comm_hooks import COMM_HOOK
-    from common.cli import run_main, spawned
+    from common.cli import run_main
     from common.ranks import DistContext
     import ddp_mp
+    from ddp_mp import spawned
 
     @spawned
     def worker(rank, cfg):
@@ -452,7 +453,7 @@ NO_SYNC = textwrap.dedent("""
     from torch.utils.data import DistributedSampler
     from common import engine
     from common.cli import Config
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, default_convert
     from common.data import load_fashion_mnist
     from common.engine import MetricsLog
     from common.model import NeuralNetwork
@@ -472,7 +473,7 @@ NO_SYNC = textwrap.dedent("""
     ctx = DistContext(device=torch.device("cuda", 0))
     train_set, _, _ = load_fashion_mnist(cfg, ctx.device)
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, collate_fn=default_convert)
     model = NeuralNetwork().to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     metrics = MetricsLog(None, ctx)

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common.cli import Config
 from common.data import DeviceImages
@@ -40,8 +40,8 @@ def test_the_epoch_loop_learns_and_logs(tmp_path, capsys):
     torch.manual_seed(0)
     model = NeuralNetwork()
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
-    train_loader = DataLoader(ds, batch_size=32, sampler=sampler)
-    test_loader = DataLoader(ds, batch_size=100)
+    train_loader = DataLoader(ds, batch_size=32, sampler=sampler, collate_fn=default_convert)
+    test_loader = DataLoader(ds, batch_size=100, collate_fn=default_convert)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     metrics = MetricsLog(tmp_path, ctx)
     for epoch in range(cfg.epochs):
@@ -62,8 +62,8 @@ def test_evaluate_is_exact_over_uneven_batches():
     ds = _learnable_set(n=103)
     model = NeuralNetwork()
     ctx = DistContext()
-    acc_a, loss_a = evaluate(model, DataLoader(ds, batch_size=10), 0, ctx, MetricsLog(None, ctx))
-    acc_b, loss_b = evaluate(model, DataLoader(ds, batch_size=103), 0, ctx, MetricsLog(None, ctx))
+    loaders = [DataLoader(ds, batch_size=b, collate_fn=default_convert) for b in (10, 103)]
+    (acc_a, loss_a), (acc_b, loss_b) = (evaluate(model, loader, 0, ctx, MetricsLog(None, ctx)) for loader in loaders)
     with torch.no_grad():
         logits = model(ds.images.float() / 255)
     assert acc_a == acc_b == (logits.argmax(1) == ds.labels).sum().item() / 103
@@ -82,9 +82,9 @@ def test_fp16_scaler_skips_an_overflowing_step_then_steps_at_the_lower_scale(cap
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
-    loader = DataLoader(ds, batch_size=32, sampler=sampler)
+    loader = DataLoader(ds, batch_size=32, sampler=sampler, collate_fn=default_convert)
     head = DeviceImages(ds.images[:32], ds.labels[:32])
-    one_step = DataLoader(head, batch_size=32)  # one step of 32 images
+    one_step = DataLoader(head, batch_size=32, collate_fn=default_convert)  # one step of 32 images
     train_one_epoch(model, one_step, optimizer, scaler, 0, cfg, ctx, MetricsLog(None, ctx))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # skipped: inf in the gradients
     assert scaler.get_scale() == 2.0 ** 39
