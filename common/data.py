@@ -56,8 +56,8 @@ class DeviceImages(Dataset):
 
     def __getitems__(self, indices):  # the DataLoader's batched fetch: the whole batch (collate_fn=default_convert)
         index = torch.tensor(indices)
-        if self.labels.is_cuda:  # pinned, so the copy to the GPU need not wait for it (pageable: a sync)
-            index = index.pin_memory().to(self.labels.device, non_blocking=True)
+        if self.labels.device.type != "cpu":  # pinned on CUDA, so the copy need not wait for the GPU (pageable: a sync)
+            index = (index.pin_memory() if self.labels.is_cuda else index).to(self.labels.device, non_blocking=True)
         return self.images.index_select(0, index).float().div_(255), self.labels.index_select(0, index)
 
 
