@@ -35,6 +35,7 @@ NOT_RUN_HERE = [
     (r"10\.0\.0\.1|/shared/", "needs two machines: tests/test_multinode.py runs these on two network namespaces"),
     (r"(^|\s)(sbatch|sinfo|squeue|scontrol)(\s|$)|^cat fmnist-", "needs a SLURM cluster: tests/test_slurm.py submits "
                                                            "job.sh and job_torchrun.sh with the CPU overrides"),
+    (r"benchmark\.py --before", "needs a second checkout beside this one (a git worktree of main)"),
     (r"scripts/scaling\.py", "needs root and network namespaces, and the sweep takes minutes: tests/test_scaling.py runs "
                               "its DDP and FSDP2 rows at 100 Mbit/s and checks their numbers"),
 ]
