@@ -66,7 +66,7 @@ class PowerSGD:
     def in_bucket_order(self, state, bucket):
         """torch's hook; on a resumed first step, on a copy laid out as before (MKL rounds by address mod 16 bytes)."""
         order, b = [self.index[id(p)] for p in bucket.parameters()], bucket.index()
-        if self.orders.setdefault(b, order) == order or b not in state.error_dict:
+        if self.orders.get(b, order) == order or b not in state.error_dict:
             self.orders[b] = order
             return powerSGD_hook.powerSGD_hook(state, bucket)
         at = {i: k for k, i in enumerate(order)}

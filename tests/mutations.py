@@ -131,7 +131,7 @@ MUTATIONS = [
         ("common/checkpoint.py", '        hook_state.load(snapshot.get("comm_hook"), ctx, path)\n', "        pass\n")),
     bug("powersgd-residuals-out-of-order", "nothing lost: a resumed run's first step puts PowerSGD's residuals in its "
         "bucket's order", ["tests/test_comm_hooks.py::test_powersgd_resumes_as_the_uninterrupted_run[mp-powersgd]"],
-        ("common/comm_hooks.py", "if self.orders.setdefault(b, order) == order or b not in state.error_dict:",
+        ("common/comm_hooks.py", "if self.orders.get(b, order) == order or b not in state.error_dict:",
          "if True:")),
     bug("powersgd-with-two-buckets", "PowerSGD on gloo in one bucket: two buckets' callbacks race, and gloo aborts",
         ["tests/test_comm_hooks.py::test_powersgd_resumes_as_the_uninterrupted_run[mp-powersgd]"],
