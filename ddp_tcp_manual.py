@@ -28,7 +28,8 @@ from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import DistContext, all_gather_flags, check_global_batch, name_rank_in_errors, print0, rank_device
+from common.ranks import (DistContext, all_gather_flags, check_global_batch,
+                          destroy_process_group, name_rank_in_errors, print0, rank_device)
 
 
 def main():
@@ -58,7 +59,7 @@ def main():
     try:
         train(cfg, ctx)  # steps 4 to 7, below
     finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
-        dist.destroy_process_group()
+        destroy_process_group()  # dist.destroy_process_group(), without torch 2.6's hang (common/ranks.py)
         if cfg.init_method.startswith("file://"):  # the next run needs a fresh file (torch 2.14 leaves it after DDP)
             Path(cfg.init_method.removeprefix("file://")).unlink(missing_ok=True)
 

@@ -25,8 +25,8 @@ from common.cli import POSITIVE, UsageError, flag, parse_config, run_main
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, autocast, print_epoch_line, print_loss_line, print_test_lines, synchronize
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, all_gather_flags, check_torchrun_worker, name_rank_in_errors, print0,
-                          print_parameter_bytes, rank_device)
+from common.ranks import (DistContext, all_gather_flags, check_torchrun_worker, destroy_process_group,
+                          name_rank_in_errors, print0, print_parameter_bytes, rank_device)
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: each stage its layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -61,7 +61,7 @@ def main():
     try:
         train(cfg, ctx)  # steps 4 to 7, below
     finally:  # Step 8, teardown: after an error too; a stage waiting on this one stops at once (gloo) or at --timeout
-        dist.destroy_process_group()
+        destroy_process_group()  # dist.destroy_process_group(), without torch 2.6's hang (common/ranks.py)
 
 
 def train(cfg, ctx):

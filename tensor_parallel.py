@@ -27,8 +27,8 @@ from common.cli import POSITIVE, UsageError, check_fsdp2, flag, parse_config, ru
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker, name_rank_in_errors,
-                          print0, print_parameter_bytes, rank_device)
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker,
+                          destroy_process_group, name_rank_in_errors, print0, print_parameter_bytes, rank_device)
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: they take DTensors too
 
 
@@ -56,7 +56,7 @@ def main():
     try:
         train(cfg, ctx)  # steps 4 to 7, below
     finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
-        dist.destroy_process_group()
+        destroy_process_group()  # dist.destroy_process_group(), without torch 2.6's hang (common/ranks.py)
 
 
 def train(cfg, ctx):

@@ -96,8 +96,7 @@ class PowerSGD:
         """This rank's part of a snapshot's state; one line if it holds another number of ranks' (each keeps its own)."""
         if saved is None or len(saved) != ctx.world_size:
             raise FatalError(f"snapshot {where} holds PowerSGD's residuals of {len(saved or [])} ranks, this run has "
-                             f"{ctx.world_size}: each rank keeps its own, so resume with {len(saved or [])} ranks, or "
-                             f"delete it to start afresh")
+                             f"{ctx.world_size}: resume with {len(saved or [])} ranks (each keeps its own), or delete it")
         mine, state = saved[ctx.rank], self.state
         state.iter, self.orders = mine["iter"], mine.get("orders", {})
         state.error_dict, state.p_memory_dict, state.q_memory_dict = (

@@ -21,8 +21,7 @@ def locate_fashion_mnist(data_dir=None):
     root, names = Path(data_dir or "data"), [Path(name).stem for name, _ in FashionMNIST.resources]
     if data_dir is not None and not (root.is_dir() and os.access(root, os.R_OK | os.X_OK)):
         raise FatalError(f"--data-dir {data_dir} is not a readable folder; fix the path or leave --data-dir out")
-    why = None if all((root / "FashionMNIST" / "raw" / name).is_file() for name in names) else download(root)
-    if why:
+    if not all((root / "FashionMNIST" / "raw" / name).is_file() for name in names) and (why := download(root)):
         raise FatalError(f"FashionMNIST is not in {root / 'FashionMNIST' / 'raw'} and {why}; {HOW_TO_GET}")
     return root
 

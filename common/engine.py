@@ -87,8 +87,7 @@ def print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics):
 def evaluate(model, loader, epoch, ctx, metrics):
     """Accuracy and mean loss over the whole test set (each rank counts its shard), in float32 whatever --precision."""
     model.eval()
-    loss_sum, seen = torch.zeros((), device=ctx.device), 0
-    correct = torch.zeros((), dtype=torch.long, device=ctx.device)
+    loss_sum, correct, seen = torch.zeros((), device=ctx.device), torch.zeros((), device=ctx.device).long(), 0
     for X, y in loader:
         X, y = X.to(ctx.device), y.to(ctx.device)
         pred = model(X)

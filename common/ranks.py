@@ -41,11 +41,17 @@ def print0(ctx, *args):
         print(" ".join(map(str, args)) + "\n", end="", flush=True)
 
 
+def destroy_process_group():
+    """dist.destroy_process_group(); the backends freed after it, each letting go of the GIL (troubleshooting.md)."""
+    backends = [pg._get_backend(d) for pg in dist.distributed_c10d._world.pg_map for d in pg._device_types]
+    dist.destroy_process_group()  # torch 2.6 freed them in here, holding the GIL a gloo thread may need: a deadlock
+    del backends
+
+
 def all_reduce_sum(values, ctx, group=None):
-    """Sum a few numbers over all ranks, or over group (every rank in it must call it); returns Python floats."""
+    """Sum a few numbers over all ranks or group (each in it must call it) in float64 (exact counts): floats."""
     if ctx.world_size == 1:
         return [float(v) for v in values]
-    # float64 holds counts up to 2**53 exactly; the tensor lives where the backend can reach it.
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=ctx.device) for v in values])
     dist.all_reduce(t, group=group)
     return t.tolist()
@@ -123,8 +129,7 @@ def all_gather_flags(cfg, ctx):
 
 def cpu_threads(ranks_here):
     """Threads for one CPU rank: the cores SLURM gave its task, or this machine's, split over the ranks sharing them."""
-    per_task = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0)
-    if per_task:  # srun gave this task cores of its own; torchrun's workers inside one task share them
+    if per_task := int(os.environ.get("SLURM_CPUS_PER_TASK") or 0):  # srun gave this task cores of its own; torchrun's workers inside one task share them
         return max(1, per_task // int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 

@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from common import data  # noqa: E402
 from common.cli import Config, FatalError, device_type, run_main  # noqa: E402
-from common.ranks import cpu_threads, free_port  # noqa: E402
+from common.ranks import cpu_threads, destroy_process_group, free_port  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
 
 BATCH_SIZE, LR, SEED = 64, 1e-3, 0  # the quickstart's settings, which single_gpu.py also defaults to
@@ -209,7 +209,7 @@ def _floor_worker(rank, args, port):
             if rank == 0:
                 print(f"ranks agree: largest |weight difference| from rank 0 = {spread.item():.3e}", flush=True)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def case_ddp_floor(args):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/, when
 
 from common.cli import POSITIVE, FatalError, explain, flag, parse_config, run_main  # noqa: E402
 from common.comm_hooks import COMM_HOOK  # noqa: E402
-from common.ranks import DistContext, free_port, name_rank_in_errors, rank_device  # noqa: E402
+from common.ranks import DistContext, destroy_process_group, free_port, name_rank_in_errors, rank_device  # noqa: E402
 from ddp_mp import spawned  # noqa: E402  (how chapter 4's workers end)
 from ddp_slurm import first_node  # noqa: E402
 
@@ -163,14 +163,14 @@ def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
         dist.all_gather_object(everyone, host)  # the first collective: every rank's host name
     except Exception as e:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()
         why = explain(e) or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
         raise FatalError(f"preflight: FAILED: rank {rank} on {host} could not meet the others at {init_method}: "
                          f"{why}") from None
     try:
         preflight(ctx, backend, everyone)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 @spawned

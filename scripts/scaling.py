@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python scripts/scaling.py` puts scripts/, not the repo root, on sys.path
 
 from common.cli import FatalError, run_main  # noqa: E402
+from common.ranks import destroy_process_group  # noqa: E402
 from scripts.netns import IFNAME, NODES, TwoMachines, tc_bits, why_not  # noqa: E402
 from scripts.strategy_table import sent_by_ring  # noqa: E402
 
@@ -376,7 +377,7 @@ def order_worker(rank, reps):
                 raise FatalError(f"{way}: rank {rank} received {theirs[0].item()}, not rank {peer}'s {peer + 1}")
     dist.barrier()
     print(json.dumps(seconds), flush=True)
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def order(rate, reps, congestion_control=None):

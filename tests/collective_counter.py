@@ -28,7 +28,7 @@ from common.engine import train_one_epoch  # noqa: E402
 from common.cli import run_main  # noqa: E402
 from common.engine import MetricsLog  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
-from common.ranks import DistContext  # noqa: E402
+from common.ranks import DistContext, destroy_process_group  # noqa: E402
 
 
 def ddp(counts):
@@ -86,7 +86,7 @@ def main():
                                           steps=math.ceil(len(loader) / cfg.accum_steps), collectives=len(counts),
                                           backward_ends=sum(counts))), flush=True)
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 if __name__ == "__main__":

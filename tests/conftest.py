@@ -1,4 +1,5 @@
 """Shared test helpers: tiny IDX datasets in the real format, the real data, and running entry scripts."""
+import contextlib
 import gzip
 import importlib
 import json
@@ -7,6 +8,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,7 @@ QUICK = [
     "tests/test_ddp.py::test_ddp_trains_the_same_model[mp-2]",
     "tests/test_ddp.py::test_ddp_trains_the_same_model[tcp-2]",
     "tests/test_ddp.py::test_ddp_trains_the_same_model[srun-env-2]",
+    "tests/test_ddp.py::test_leaving_the_group_after_a_collective_never_hangs",
     "tests/test_fsdp.py::test_fsdp_trains_the_same_model[2]",
     "tests/test_debug_hang.py::test_broken_case_fails_soon_naming_the_mismatch[eval-on-rank0]",
     "tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[eval-on-rank0]",
@@ -222,7 +225,7 @@ class Procs:
     """Processes started in their own sessions, so a test can kill every one of them and their children."""
 
     def __init__(self):
-        self.procs = []
+        self.procs, self.ended = [], {}  # ended: what wait() read from each process that ended
 
     def start(self, cmd, **kw):
         p = subprocess.Popen(cmd, cwd=kw.pop("cwd", REPO), env=kw.pop("env", BASE_ENV), stdout=subprocess.PIPE,
@@ -235,9 +238,16 @@ class Procs:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            for pid in [p.pid, *_descendants(p.pid)]:  # each prints its threads' Python stacks (cuda_defaults/)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR2)
+            time.sleep(2)
             self.kill(p)
             out, err = p.communicate()
-            pytest.fail(f"{p.args} still running after {timeout}s:\n{out}\n{err}")
+            others = "".join(f"\n--- {q.args} ended with {rc}:\n{o}\n{e}" for q, (rc, o, e) in self.ended.items())
+            pytest.fail(f"{p.args} still running after {timeout}s (its stacks, then the other processes of this test):"
+                        f"\n{out}\n{err}{others}")
+        self.ended[p] = (p.returncode, out, err)
         no_abort_at_exit(err)
         return p.returncode, out, err
 

@@ -69,6 +69,11 @@ MUTATIONS = [
         ("ddp_mp.py", "test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), "
          "batch_size=1000,", "test_loader = DataLoader(test_set, batch_size=1000, sampler=DistributedSampler(test_set, "
          "ctx.world_size, ctx.rank, shuffle=False),")),
+    bug("teardown-holds-the-gil", "nothing hangs: a rank leaves the group right after a collective (caught on torch "
+        "2.6, `python tests/mutations.py` under .venv-floor; torch 2.14 has no such hang to catch)",
+        ["tests/test_ddp.py::test_leaving_the_group_after_a_collective_never_hangs"],
+        ("common/ranks.py", "    backends = [pg._get_backend(d) for pg in dist.distributed_c10d._world.pg_map "
+         "for d in pg._device_types]\n", "    backends = []\n")),
     bug("destroy-not-in-finally", "the lesson is in the chapter: destroy_process_group in a finally",
         ["tests/test_ddp.py::test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom[ddp_mp.py]"],
         ("ddp_mp.py", "    try:\n        train(cfg, ctx)  # steps 4 to 7, below\n    finally:",

@@ -93,7 +93,7 @@ from common.checkpoint import SNAPSHOT_FORMAT, atomic_save, read_snapshot
 from common.comm_hooks import register_comm_hook
 from common.cli import Config
 from common.model import NeuralNetwork
-from common.ranks import DistContext
+from common.ranks import DistContext, destroy_process_group
 
 class OnTheGpu(torch.Tensor):
     # What a CUDA tensor refuses: .numpy() (TypeError); .cpu() gives a plain host tensor, as on a GPU.
@@ -136,7 +136,7 @@ same = [loaded.state.iter == saved.state.iter] + [torch.equal(mine[0], theirs[0]
         (list(loaded.state.error_dict.values()), list(saved.state.error_dict.values())),
         (list(loaded.state.q_memory_dict.values()), list(saved.state.q_memory_dict.values())))]
 print("resumed:", all(same), same, flush=True)
-dist.destroy_process_group()
+destroy_process_group()
 """
 
 

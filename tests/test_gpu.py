@@ -285,7 +285,7 @@ GLOO_ON_ONE_GPU = textwrap.dedent("""
     from common.cli import parse_config
     from common.comm_hooks import COMM_HOOK
     from common.cli import run_main
-    from common.ranks import DistContext
+    from common.ranks import DistContext, destroy_process_group
     import ddp_mp
     from ddp_mp import spawned
 
@@ -297,7 +297,7 @@ GLOO_ON_ONE_GPU = textwrap.dedent("""
         try:
             ddp_mp.train(cfg, ctx)
         finally:
-            dist.destroy_process_group()
+            destroy_process_group()
 
     if __name__ == "__main__":
         cfg = parse_config(sys.argv[1:], comm_hook=COMM_HOOK)

@@ -34,6 +34,7 @@ def shaped(net, rate):
 
 CROSSINGS = """
 import json, os, sys, time, torch, torch.distributed as dist
+from common.ranks import destroy_process_group
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="tcp://{master}:29500", rank=rank, world_size=2)
 buffer, seconds = torch.ones({numel}), {{}}
@@ -45,7 +46,7 @@ for name, op in [("all_reduce", lambda: dist.all_reduce(buffer)),
     op()
     seconds[name] = time.perf_counter() - start
 print(json.dumps(dict(seconds, sum=buffer[0].item())), flush=True)
-dist.destroy_process_group()
+destroy_process_group()
 os._exit(0)  # as common.cli.end_process: no interpreter shutdown under gloo's threads
 """
 

@@ -9,11 +9,18 @@ where they differ from the CPU's and torch lets the CPU take them, so the CPU su
 
 What only a GPU can show (a copy from pageable memory that blocks, NCCL) is listed in docs/tests.md. Nothing is
 imported until torch itself is: the patch runs when torch.optim.optimizer has loaded.
+
+And on SIGUSR2 every thread's Python stack goes to stderr: tests/conftest.py sends it to a process that overran,
+before it kills it, so a hang in CI shows where each process waited.
 """
+import faulthandler
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
+
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 TARGET = "torch.optim.optimizer"
 
