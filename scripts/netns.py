@@ -52,6 +52,16 @@ UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 QUEUE = 4 * 1024 * 1024  # bytes a shaped link holds before it drops a packet
 
 
+def burst_bytes(bits):
+    """tbf's burst at a rate (bit/s): the bytes that may leave at once after the link was idle, as few as this kernel
+    allows while the link still carries its rate. Measured here (a 1 MB all-reduce between the two nodes): one full
+    frame (1,600 bytes) carries 10 Mbit/s (1.07x the wire time); 100 Mbit/s needs 0.32 ms of the link (4,000 bytes:
+    1.07x, where 1,600 gave 1.27x); 1 Gbit/s needs 1 ms (125,000 bytes: 0.99-1.48x; 40,000 gave 1.75x). So a 15 KB
+    all-reduce after an idle gap takes at least its wire time at 10 and 100 Mbit/s (tests/test_scaling.py) instead
+    of leaving at once in a 32 KiB burst; at 1 Gbit/s its wire time, 0.12 ms, is below gloo's own latency."""
+    return max(1600, bits // 8 // 1000 if bits >= 10**9 else bits // 8 * 32 // 100_000)
+
+
 def tc_bits(rate):
     """Bits per second of a tc rate such as "10mbit" (tc's SI units: 1 mbit is 10**6 bit/s)."""
     for unit, scale in UNITS.items():
@@ -117,12 +127,11 @@ class TwoMachines:
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", IFNAME, "root"],
                            capture_output=True)
             if rate is not None:
-                # burst: the bytes that may leave at once, at least one tick of the kernel's timer at this rate (up
-                # to 1 ms) and at least a few full-size packets. limit: the queue, 4 MiB, room for what TCP lets a
-                # connection queue (net.ipv4.tcp_limit_output_bytes, 4 MiB here), so TCP waits for the link, as
-                # behind a slow card of its own, instead of losing packets: with a 50 ms queue, every run of DDP at
-                # 10 Mbit/s lost some (reno resent about 200 segments a run, BBR 15,000-24,000).
-                burst = max(32 * 1024, tc_bits(rate) // 8 // 1000)
+                # limit: the queue, 4 MiB, room for what TCP lets a connection queue (net.ipv4.tcp_limit_output_bytes,
+                # 4 MiB here), so TCP waits for the link, as behind a slow card of its own, instead of losing packets:
+                # with a 50 ms queue, every run of DDP at 10 Mbit/s lost some (reno resent about 200 segments a run,
+                # BBR 15,000-24,000). burst: burst_bytes(), the least that still carries the rate.
+                burst = burst_bytes(tc_bits(rate))
                 _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf", "rate", rate,
                       "burst", str(burst), "limit", str(QUEUE)])
 

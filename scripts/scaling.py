@@ -479,6 +479,10 @@ def checks(results):
             lines.append(f"{'PASS' if r['over_floor'] <= FLOOR_GOAL else 'MISS'}: {ROWS[r['row']][5]} at "
                          f"{RATES[r['rate']]}: communication {r['over_floor']:.2f}x its floor ({ms(r['communication'])}"
                          f" ms against {ms(r['floor'])} ms; goal <= {FLOOR_GOAL}x){kinds}")
+    for r in results:  # the link itself: no row's bytes may cross faster than the rate (netns.burst_bytes)
+        if r["floor"] and r["over_floor"] < 1:
+            lines.append(f"FAST LINK: {ROWS[r['row']][5]} at {RATES[r['rate']]}: communication {ms(r['communication'])}"
+                         f" ms is under the {ms(r['floor'])} ms its bytes need on the wire: the shaper let them through")
     for r in results:  # the remedies against chapter 1's speed
         goal = SPEED_GOAL.get(r["rate"])
         if goal and r["row"] in REMEDIES and r["vs_single"] is not None:

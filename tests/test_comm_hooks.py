@@ -1,7 +1,9 @@
 """--comm-hook: torch's DDP communication hooks in the DDP chapters, PowerSGD's state in --snapshot, and the refusals.
 
-What each hook sends on the wire is counted by tests/test_scaling.py (the bytes per step on the shaped link).
+What each hook sends, step by step, and the gradient it leaves: test_each_comm_hook_value_sends_what_it_names;
+the bytes per step on the shaped link: tests/test_scaling.py.
 """
+import json
 import subprocess
 import sys
 
@@ -167,3 +169,80 @@ def test_powersgd_on_the_cpu_where_a_gpu_is_visible_is_one_line(real_data, tmp_p
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--comm-hook powersgd cannot train with --device cpu where a GPU is visible" in proc.stderr
     assert "CUDA_VISIBLE_DEVICES=" in proc.stderr
+
+
+# Each --comm-hook value through the chapters' register_comm_hook, on a DDP of one rank (gloo): every all-reduce a
+# hook starts (torch's hooks start them from Python; DDP's own, without a hook, from C++) with its dtype and size,
+# step by step, and the gradient the step is left with, against the same batch's gradient without DDP.
+WIRE = """
+import json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from common.cli import Config
+from common.comm_hooks import ONE_BUCKET_MB, register_comm_hook
+from common.model import NeuralNetwork
+from common.ranks import destroy_process_group
+
+sent, started = [], dist.all_reduce
+def counted(tensor, *args, **kwargs):
+    sent[-1].append([str(tensor.dtype).split(".")[1], tensor.numel()])
+    return started(tensor, *args, **kwargs)
+dist.all_reduce = counted
+
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+torch.manual_seed(0)
+batch = torch.rand(64, 1, 28, 28), torch.randint(0, 10, (64,))
+plain = NeuralNetwork()
+torch.nn.functional.cross_entropy(plain(batch[0]), batch[1]).backward()
+report = {}
+for value in sys.argv[2:]:
+    cfg = Config()
+    cfg.comm_hook = value
+    model = DDP(NeuralNetwork(), bucket_cap_mb=ONE_BUCKET_MB if value.startswith("powersgd") else None)
+    model.module.load_state_dict(plain.state_dict())
+    register_comm_hook(model, cfg)
+    steps = []
+    for _ in range(7):
+        sent.append([])
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        steps.append(sent[-1])
+    # the last step's gradient of the first weight, against plain fp32, bf16 and fp16 rounding of the same gradient
+    got, want = model.module.linear_relu_stack[0].weight.grad, plain.linear_relu_stack[0].weight.grad
+    report[value] = dict(steps=steps, grad={name: torch.equal(got, want.to(dtype).float()) for name, dtype in
+                                            [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]})
+print(json.dumps(report), flush=True)
+destroy_process_group()
+"""
+FULL = 669_706  # every gradient: DDP's first step sends it in one bucket, later ones in two (DDP rebuilds them)
+POWERSGD = lambda rank: [["float32", 1034], ["float32", 1034 * rank], ["float32", 1808 * rank]]  # noqa: E731
+# biases as they are (512 + 512 + 10), then P (n x rank per weight: 512 + 512 + 10 rows), then Q (784 + 512 + 512)
+WIRE_CASES = {
+    "none": dict(steps=[[]] * 7, grad="fp32"),  # DDP's own all-reduce, from C++: the gradient exactly
+    "bf16": dict(steps=[[["bfloat16", FULL]]] + [[["bfloat16", 267_786], ["bfloat16", 401_920]]] * 6, grad="bf16"),
+    "fp16": dict(steps=[[["float16", FULL]]] + [[["float16", 267_786], ["float16", 401_920]]] * 6, grad="fp16"),
+    "powersgd": dict(steps=[[["float32", FULL]]] * 2 + [POWERSGD(1)] * 5, grad=None),  # start 2, rank 1
+    "powersgd:2:5": dict(steps=[[["float32", FULL]]] * 5 + [POWERSGD(2)] * 2, grad=None),
+    "powersgd:4:3": dict(steps=[[["float32", FULL]]] * 3 + [POWERSGD(4)] * 4, grad=None),
+}
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory):
+    """Every WIRE_CASES value in one process: {value: {"steps": [[dtype, numel] per all-reduce] per step, "grad": ...}}."""
+    rdzv = tmp_path_factory.mktemp("wire") / "rdzv"
+    proc = subprocess.run([sys.executable, "-c", WIRE, str(rdzv), *WIRE_CASES], cwd=REPO, env=dict(
+        BASE_ENV, PYTHONPATH=f"{REPO}:{BASE_ENV['PYTHONPATH']}"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("value", WIRE_CASES)
+def test_each_comm_hook_value_sends_what_it_names(wire, value):
+    """What reaches the wire, step by step: bf16 and fp16 the whole gradient in their own dtype (the same bytes, so
+    the dtype tells them apart), PowerSGD the whole gradient for START steps, then the biases and its two factors
+    at RANK columns; and the gradient each step is left with: none the exact one, bf16 and fp16 the gradient
+    rounded to their dtype (and not to the other's)."""
+    assert wire[value]["steps"] == WIRE_CASES[value]["steps"]
+    want = WIRE_CASES[value]["grad"]
+    if want:
+        assert [name for name, equal in wire[value]["grad"].items() if equal] == [want], wire[value]["grad"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import BASE_ENV, REPO, load_state, max_abs_diff, slice_args
-from scripts.netns import NODES, tc_bits
+from scripts.netns import NODES, burst_bytes, tc_bits
 from test_ddp import SAME_MODEL
 from test_multinode import accuracy_lines, need_namespaces, run_on_both, torchrun_nodes, two_machines  # noqa: F401
 
@@ -65,15 +65,54 @@ def crossing_seconds(net, procs, numel):
 def test_a_shaped_link_is_no_faster_than_its_rate(two_machines, procs):
     """A ring all-reduce of B bytes between 2 ranks moves B through each direction of the link: at 10 Mbit/s no rank
     can finish it in less than B * 8 / 10**7 seconds. B broadcast from one rank crosses one direction: the rank it
-    reaches cannot have it sooner, whichever direction it is. Unshaped, each takes a fraction of that."""
+    reaches cannot have it sooner, whichever direction it is. Unshaped, each takes a fraction of that. tbf lets
+    one burst leave at once (netns.burst_bytes: 1,600 bytes at 10 Mbit/s, 0.2% of the buffer)."""
     numel = 250_000  # 1 MB: a floor of 0.8 s at 10 Mbit/s
     floor = 2 * (2 - 1) / 2 * numel * 4 * 8 / tc_bits("10mbit")  # = numel * 4 * 8 / rate, a broadcast's too
     unshaped = crossing_seconds(two_machines, procs, numel)
     assert max(t for r in unshaped for t in r.values()) < floor / 4, unshaped
     ranks = crossing_seconds(shaped(two_machines, "10mbit"), procs, numel)
-    at_least = floor * (1 - 32 * 1024 / (numel * 4))  # tbf lets one burst of 32 KiB (3% of the buffer) leave at once
+    at_least = floor * (1 - burst_bytes(tc_bits("10mbit")) / (numel * 4))
     assert min(r["all_reduce"] for r in ranks) >= at_least, (ranks, floor)
     assert ranks[1]["0 to 1"] >= at_least and ranks[0]["1 to 0"] >= at_least, (ranks, floor)
+
+
+# What PowerSGD (rank 1) all-reduces each step, 15,504 bytes, after the link was idle long enough to fill tbf's bucket:
+# a burst as large as the step (tbf's usual 32 KiB) would let the whole step leave at once, and the link would
+# never limit PowerSGD (0.07x its wire time at 10 Mbit/s, measured with a 32 KiB burst).
+AFTER_IDLE = """
+import json, os, sys, time, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://{master}:29500", rank=rank, world_size=2)
+seconds = []
+for _ in range(5):
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.3)  # idle: tbf's bucket fills to its burst
+    dist.all_reduce(torch.ones(1))  # both ranks are here: the timed all-reduce starts together
+    buffer = torch.ones({numel})
+    start = time.perf_counter()
+    dist.all_reduce(buffer)
+    seconds.append(time.perf_counter() - start)
+print(json.dumps(seconds), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("rate", ["10mbit", "100mbit"])
+def test_a_small_all_reduce_after_an_idle_gap_takes_its_wire_time(two_machines, procs, rate):
+    """PowerSGD's 15,504 bytes a step after an idle gap, 5 times on each rank: the median takes at least the wire
+    time of its bytes, and none less than the wire time of what the one burst does not cover (measured here: at
+    least 1.04x the wire time at 10 Mbit/s and 1.16x at 100 Mbit/s)."""
+    numel = 3876
+    net = shaped(two_machines, rate)
+    code = AFTER_IDLE.format(master=NODES["nodea"], numel=numel)
+    results = run_on_both(net, procs, {node: [sys.executable, "-c", code, str(i)] for i, node in enumerate(NODES)},
+                          timeout=120)
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    wire = numel * 4 * 8 / tc_bits(rate)
+    for seconds in (json.loads(out) for _, out, _ in results):
+        assert sorted(seconds)[2] >= wire, (seconds, wire)
+        assert min(seconds) >= wire * (1 - burst_bytes(tc_bits(rate)) / (numel * 4)), (seconds, wire)
 
 
 def test_ddp_over_a_slow_link_trains_chapter_1s_model(two_machines, procs, real_data, reference, tmp_path):
@@ -148,11 +187,20 @@ def test_scaling_times_the_communication_on_the_link(scaling, row):
     assert re.search(rf"^(PASS|MISS): {LINE[row]}", report, re.M), report
 
 
+@pytest.mark.parametrize("row", [*ROWS, *HOOKS])
+def test_no_row_crosses_the_link_faster_than_its_rate(scaling, row):
+    """Every row's communication takes at least the wire time of its bytes (PowerSGD's 15,504 bytes a step among
+    them: a burst as large as a step let them through at 0.07x), and the report says so of none."""
+    rows, report = scaling
+    assert rows[row]["communication"] >= rows[row]["floor"], rows[row]
+    assert "FAST LINK" not in report, report
+
+
 def test_gloo_sends_nothing_until_the_peer_is_ready_to_receive(tmp_path):
     """docs/scaling.md's reason FSDP2 misses the floor on gloo: a rank sends only once its peer says it is ready to
     receive, and that message travels behind the data the peer has already sent. With the peer 50 ms late, a swap of
     785 KiB each way at 10 Mbit/s: posted receive first, both directions run at once; posted send first, the late
-    rank's data crosses before its "ready" does, so the two directions take turns (2x the floor, less tbf's 32 KiB
+    rank's data crosses before its "ready" does, so the two directions take turns (2x the floor, less tbf's
     burst); gloo's all-gather posts each half send first, so the early rank starts a half late (1.5x)."""
     need_namespaces()
     out = tmp_path / "order.json"
@@ -162,7 +210,7 @@ def test_gloo_sends_nothing_until_the_peer_is_ready_to_receive(tmp_path):
         cannot_shape(proc.stderr.strip())
     assert proc.returncode == 0, proc.stderr
     late = json.loads(out.read_text())["late_rank"]
-    burst = 32 * 1024 / (200_960 * 4)
+    burst = burst_bytes(tc_bits("10mbit")) / (200_960 * 4)
     assert late["send"] >= 2 * (1 - burst), late
     assert late["all_gather"] >= 1.5 * (1 - burst), late
     assert late["receive"] <= 0.75 * late["send"], late
