@@ -2,6 +2,7 @@
 communication, and the communication against the least time the link allows.
 
     python scripts/scaling.py                                   # the sweep (about 4 minutes on 2 CPU cores)
+    python scripts/scaling.py --whole                           # whole 5-epoch runs, 3 of each, with accuracy (15 min)
     python scripts/scaling.py --json runs/scaling.json --png docs/scaling.png
     python scripts/scaling.py --rows ddp --rates 10mbit,100mbit # some of it
     python scripts/scaling.py --from-json runs/scaling.json --png docs/scaling.png   # the table and chart again
@@ -34,6 +35,11 @@ Each run's communication against the floor, the goal at most FLOOR_GOAL at 10 an
 table; a run with collectives of several kinds (FSDP2) also gets each kind against its own floor. --order shows why
 gloo's all-gather misses it: gloo sends nothing until the peer has said it is ready to receive, and that message
 travels behind whatever the peer has already sent.
+
+--whole runs each chapter unchanged instead, for WHOLE_EPOCHS epochs on the full data, and reads its metrics.jsonl:
+the epochs' training time (from each epoch's first step to its last, so PowerSGD's full-size first steps count), the
+final test accuracy of the same run, and the wall time around it; chapter 1 and each row --repeats times, the mean
+with min-max, each row's speed against chapter 1's mean.
 
 Why the profiler, not DDP's own timing (DDP._get_ddp_logging_data()): it times FSDP2's collectives too, so every
 row is measured the same way; it sees DDP's two buckets run at once on gloo's two threads (their union, not their
@@ -94,6 +100,20 @@ REMEDIES = ("ddp", "accum", "bf16", "powersgd", "powersgd4", "accum_powersgd")
 SPEED_GOAL = {"100mbit": 1.3, "10mbit": 0.75}  # two ranks with a remedy against chapter 1's images/s
 ACCURACY_EPOCHS, ACCURACY_BATCH = 5, 64  # --accuracy: the quickstart's 5 epochs at its batch (x the row's factor)
 PORT = "29500"
+# --whole: whole runs as a user times them. The quickstart's 5 epochs on the full data at the sweep's global batch,
+# with the learning rate scaled as the batch (x16 of the quickstart's 64 and 1e-3): at 1e-3, batch 1,024 reaches
+# 20.8% after 5 epochs for everyone; at 0.016 chapter 1 reaches 64.8%, as at the quickstart's batch (64.9%).
+WHOLE_EPOCHS, WHOLE_LR = 5, 0.016
+WHOLE_STEPS = WHOLE_EPOCHS * -(-60_000 // BATCH)  # 295 optimizer steps; PowerSGD from 10% of them is START 29
+WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the others on the two machines
+    "single": ([], ()),
+    "ddp": ([], ("100mbit",)),  # at 10 Mbit/s a whole run takes 11 minutes (2.3 s a step): its steps alone say 0.02x
+    "powersgd": (["--comm-hook", "powersgd"], ("100mbit", "10mbit")),  # start 2, the chapters' default
+    "powersgd_10pct": (["--comm-hook", f"powersgd:1:{WHOLE_STEPS // 10}"], ("100mbit", "10mbit")),  # torch's advice
+}
+WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)",
+               "powersgd": "DDP, --comm-hook powersgd (rank 1, start 2)",
+               "powersgd_10pct": f"DDP, --comm-hook powersgd:1:{WHOLE_STEPS // 10} (start at 10%)"}
 
 
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
@@ -628,6 +648,80 @@ def report(measured, args):
         speed_chart(results, measured, args.speed_png)
 
 
+def run_whole(name, rate, net, data_dir, tmp):
+    """One whole run of a --whole row (chapter 1 alone, the others with one rank on each machine over the link as it
+    is shaped now): its time from the first step to the last (the epochs' train_seconds), its wall time from start
+    to exit (imports, rendezvous, DDP's first broadcast and the evaluations too) and its final test accuracy."""
+    flags, _ = WHOLE_ROWS[name]
+    out = Path(tempfile.mkdtemp(prefix=f"{name}-whole-", dir=tmp))
+    args = [*flags, "--batch-size", str(BATCH), "--lr", str(WHOLE_LR), "--epochs", str(WHOLE_EPOCHS),
+            "--log-every", "100000", "--device", "cpu", "--output", str(out), *(["--data-dir", data_dir] if data_dir else [])]
+    start = time.perf_counter()
+    if name == "single":
+        procs = [subprocess.Popen([sys.executable, "single_gpu.py", *args], cwd=REPO, env=env(),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+    else:
+        procs = [subprocess.Popen(net.command(node, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+            str(i), "--master-addr", NODES["nodea"], "--master-port", PORT, "ddp_launch.py", *args]), cwd=REPO,
+            env=env(GLOO_SOCKET_IFNAME=IFNAME), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for i, node in enumerate(NODES)]
+    wait_for(procs, f"{WHOLE_NAMES[name]} at {rate or 'no link'}", timeout=1800)
+    epochs = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
+    return dict(row=name, rate=rate, train_seconds=sum(r["train_seconds"] for r in epochs),
+                wall_seconds=time.perf_counter() - start, accuracy=epochs[-1]["test_accuracy"])
+
+
+def measure_whole(rows, rates, repeats, data_dir, congestion_control=None):
+    """--whole: every row at each of its rates, `repeats` times, chapter 1 among them: {"runs": [...]}."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="scaling-whole-") as tmp, two_machines(congestion_control) as net:
+        for rate in [None, *rates]:
+            if rate:
+                shape(net, RATES[rate] and rate)
+            for name in [n for n in rows if (rate is None) == (n == "single") and (not rate or rate in WHOLE_ROWS[n][1])]:
+                for _ in range(repeats):
+                    runs.append(run_whole(name, rate, net, data_dir, tmp))
+                    print(f"{name} at {rate or 'no link'}: {runs[-1]['train_seconds']:.1f} s, "
+                          f"{100 * runs[-1]['accuracy']:.1f}%", file=sys.stderr, flush=True)
+    return dict(runs=runs, epochs=WHOLE_EPOCHS, batch=BATCH, lr=WHOLE_LR, tcp=net.tcp)
+
+
+def spread(values, fmt):
+    return f"{fmt(sum(values) / len(values))} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def whole_report(measured):
+    """--whole's table (each figure the mean of the repeats, min-max after it) and the goals judged on it."""
+    runs, env_ = measured["runs"], measured.get("environment", {})
+    single = [r for r in runs if r["row"] == "single"]
+    base = sum(r["train_seconds"] for r in single) / len(single)
+    base_accuracy = sum(r["accuracy"] for r in single) / len(single)
+    print(f"\nWhole runs: {measured['epochs']} epochs of the 60,000 images at global batch {measured['batch']} (512 per "
+          f"rank), --lr {measured['lr']}; one rank per machine, gloo, 1 thread per rank, TCP {measured['tcp']}, no "
+          f"delay; the mean of {len(single)} runs (min-max); torch {env_.get('torch')}, {env_.get('cpu_count')} cores\n")
+    print("| run | link | first step to last, s | vs chapter 1 | wall time, s | test accuracy |\n|---|---|---|---|---|---|")
+    groups = {}
+    for r in runs:
+        groups.setdefault((r["row"], r["rate"]), []).append(r)
+    for (name, rate), group in groups.items():
+        print(f"| {WHOLE_NAMES[name]} | {RATES.get(rate) or 'none'} | "
+              f"{spread([r['train_seconds'] for r in group], lambda v: f'{v:,.1f}')} | "
+              f"{spread([base / r['train_seconds'] for r in group], lambda v: f'{v:.2f}')} | "
+              f"{spread([r['wall_seconds'] for r in group], lambda v: f'{v:,.1f}')} | "
+              f"{spread([100 * r['accuracy'] for r in group], lambda v: f'{v:.1f}%')} |")
+    print()
+    for (name, rate), group in groups.items():
+        goal = SPEED_GOAL.get(rate)
+        if goal:
+            speed = sum(base / r["train_seconds"] for r in group) / len(group)
+            accuracy = sum(r["accuracy"] for r in group) / len(group)
+            ok = speed >= goal and accuracy >= base_accuracy - 0.01
+            print(f"{'PASS' if ok else 'MISS'}: {WHOLE_NAMES[name]} at {RATES[rate]}: {speed:.2f}x chapter 1 over whole "
+                  f"runs (goal >= {goal}x), {100 * accuracy:.1f}% against chapter 1's {100 * base_accuracy:.1f}% "
+                  f"(goal: within 1 point)")
+
+
 def write_json(path, data):
     """--json: data as JSON at path (nothing without --json)."""
     if path:
@@ -672,7 +766,26 @@ def main():
                    help="instead of the sweep: swap 785 KiB between the two machines, one rank late, receive first, "
                         "send first and with all_gather_into_tensor, on a link of RATE (default 10mbit)")
     p.add_argument("--reps", type=int, default=3, help="--order's swaps of each kind; the median counts (default 3)")
+    p.add_argument("--whole", action="store_true",
+                   help=f"instead of the sweep: whole {WHOLE_EPOCHS}-epoch runs as a user times them, --repeats times "
+                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; about 17 minutes on 2 cores)")
+    p.add_argument("--repeats", type=int, default=3, help="--whole's runs of each row and rate (default 3)")
     args = p.parse_args()
+    if args.whole:
+        if args.from_json:
+            return whole_report(json.loads(Path(args.from_json).read_text()))
+        rows = args.rows.split(",") if "--rows" in sys.argv else list(WHOLE_ROWS)
+        rates = args.rates.split(",") if "--rates" in sys.argv else ["100mbit", "10mbit"]
+        unknown = [r for r in rows if r not in WHOLE_ROWS] + [r for r in rates if r not in RATES]
+        if unknown or "single" not in rows or args.repeats < 1:
+            p.error(f"--whole: rows of {','.join(WHOLE_ROWS)} (single among them), rates of {','.join(RATES)}, "
+                    f"--repeats >= 1")
+        import torch
+        measured = measure_whole(rows, rates, args.repeats, args.data_dir, args.congestion_control)
+        measured["environment"] = dict(torch=torch.__version__, python=platform.python_version(),
+                                       cpu_count=os.cpu_count(), node=platform.node())
+        write_json(args.json, measured)
+        return whole_report(measured)
     if args.order:
         try:
             tc_bits(args.order)

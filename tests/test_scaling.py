@@ -222,3 +222,41 @@ def test_a_congestion_control_the_kernel_lacks_is_one_line():
                           cwd=REPO, env=BASE_ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout == "", proc
     assert re.fullmatch(r"error: --congestion-control nosuch is not in this kernel; it has [a-z0-9 ]+\n", proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def whole(real_data, tmp_path_factory):
+    """scripts/scaling.py --whole: chapter 1 and PowerSGD at 100 Mbit/s, each run twice: (JSON, report)."""
+    need_namespaces()
+    out = tmp_path_factory.mktemp("whole") / "whole.json"
+    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--whole", "--rows", "single,powersgd", "--rates",
+                           "100mbit", "--repeats", "2", "--data-dir", str(real_data), "--json", str(out)], cwd=REPO,
+                          env=BASE_ENV, capture_output=True, text=True, timeout=900)
+    if proc.returncode and "cannot shape the link" in proc.stderr:
+        cannot_shape(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_whole_runs_are_timed_and_scored_as_a_user_runs_them(whole):
+    """Whole 5-epoch runs at the timed configuration (batch 1,024, --lr 0.016): each repeat is a run of its own, its
+    time from the first step to the last inside its wall time, and its accuracy that of the same run: PowerSGD's
+    within 1 point of chapter 1's there. The report's figures are the runs': the mean of the repeats, then min-max,
+    and the goal's line judges the mean."""
+    measured, report = whole
+    runs = {(r["row"], r["rate"]): [] for r in measured["runs"]}
+    for r in measured["runs"]:
+        runs[(r["row"], r["rate"])].append(r)
+        assert 0 < r["train_seconds"] < r["wall_seconds"], r
+    assert {key: len(group) for key, group in runs.items()} == {("single", None): 2, ("powersgd", "100mbit"): 2}
+    single, powersgd = runs[("single", None)], runs[("powersgd", "100mbit")]
+    base = sum(r["train_seconds"] for r in single) / 2
+    assert abs(sum(r["accuracy"] for r in powersgd) / 2 - sum(r["accuracy"] for r in single) / 2) <= 0.01, runs
+    ratios = [base / r["train_seconds"] for r in powersgd]
+    row = "| 100 Mbit/s | " + " | ".join([
+        f"{sum(r['train_seconds'] for r in powersgd) / 2:,.1f} ({min(r['train_seconds'] for r in powersgd):,.1f}-"
+        f"{max(r['train_seconds'] for r in powersgd):,.1f})",
+        f"{sum(ratios) / 2:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"]) + " | "
+    assert row in report, (row, report)
+    assert re.search(rf"^(PASS|MISS): .* at 100 Mbit/s: {sum(ratios) / 2:.2f}x chapter 1 over whole runs", report,
+                     re.M), report
