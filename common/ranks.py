@@ -129,8 +129,8 @@ def all_gather_flags(cfg, ctx):
 
 def cpu_threads(ranks_here):
     """Threads for one CPU rank: the cores SLURM gave its task, or this machine's, split over the ranks sharing them."""
-    if per_task := int(os.environ.get("SLURM_CPUS_PER_TASK") or 0):  # srun gave this task cores of its own; torchrun's workers inside one task share them
-        return max(1, per_task // int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    if per_task := int(os.environ.get("SLURM_CPUS_PER_TASK") or 0):  # srun gave this task cores of its own
+        return max(1, per_task // int(os.environ.get("LOCAL_WORLD_SIZE") or 1))  # shared by torchrun's workers in it
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 

@@ -58,7 +58,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from statistics import median
+from statistics import mean, median
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python scripts/scaling.py` puts scripts/, not the repo root, on sys.path
@@ -291,15 +291,18 @@ def run_on_two(name, rate, net, data_dir, tmp):
     chapter, flags, batch, bucket = ROWS[name][:4]
     steps = min(SHORT_STEPS, 60_000 // batch - WARMUP) if "powersgd" in " ".join(flags) else STEPS[rate]  # 60,000 images
     out = Path(tempfile.mkdtemp(prefix=f"{name}-two-", dir=tmp))
-    procs = []
-    for i, node in enumerate(NODES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--node-rank", str(i), "--master-addr", NODES["nodea"], "--master-port", PORT,
-               *worker_command(chapter, out, bucket, steps), *chapter_args(batch, flags, out / "run", data_dir, steps)]
-        procs.append(subprocess.Popen(net.command(node, cmd), cwd=REPO, env=env(GLOO_SOCKET_IFNAME=IFNAME),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    records = collect(out, 2, procs, f"{chapter} on two machines")
-    return records
+    procs = torchrun_on_two(net, [*worker_command(chapter, out, bucket, steps),
+                                  *chapter_args(batch, flags, out / "run", data_dir, steps)])
+    return collect(out, 2, procs, f"{chapter} on two machines")
+
+
+def torchrun_on_two(net, script_and_args):
+    """torchrun on each machine, one rank each (nodea hosts the rendezvous): the two launchers, started."""
+    return [subprocess.Popen(net.command(node, [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(i),
+        "--master-addr", NODES["nodea"], "--master-port", PORT, *script_and_args]), cwd=REPO,
+        env=env(GLOO_SOCKET_IFNAME=IFNAME), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for i, node in enumerate(NODES)]
 
 
 @contextmanager
@@ -654,18 +657,14 @@ def run_whole(name, rate, net, data_dir, tmp):
     to exit (imports, rendezvous, DDP's first broadcast and the evaluations too) and its final test accuracy."""
     flags, _ = WHOLE_ROWS[name]
     out = Path(tempfile.mkdtemp(prefix=f"{name}-whole-", dir=tmp))
-    args = [*flags, "--batch-size", str(BATCH), "--lr", str(WHOLE_LR), "--epochs", str(WHOLE_EPOCHS),
-            "--log-every", "100000", "--device", "cpu", "--output", str(out), *(["--data-dir", data_dir] if data_dir else [])]
+    args = [*flags, "--batch-size", str(BATCH), "--lr", str(WHOLE_LR), "--epochs", str(WHOLE_EPOCHS), "--log-every",
+            "100000", "--device", "cpu", "--output", str(out), *(["--data-dir", data_dir] if data_dir else [])]
     start = time.perf_counter()
     if name == "single":
         procs = [subprocess.Popen([sys.executable, "single_gpu.py", *args], cwd=REPO, env=env(),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
     else:
-        procs = [subprocess.Popen(net.command(node, [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-            str(i), "--master-addr", NODES["nodea"], "--master-port", PORT, "ddp_launch.py", *args]), cwd=REPO,
-            env=env(GLOO_SOCKET_IFNAME=IFNAME), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for i, node in enumerate(NODES)]
+        procs = torchrun_on_two(net, ["ddp_launch.py", *args])
     wait_for(procs, f"{WHOLE_NAMES[name]} at {rate or 'no link'}", timeout=1800)
     epochs = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
     return dict(row=name, rate=rate, train_seconds=sum(r["train_seconds"] for r in epochs),
@@ -676,10 +675,10 @@ def measure_whole(rows, rates, repeats, data_dir, congestion_control=None):
     """--whole: every row at each of its rates, `repeats` times, chapter 1 among them: {"runs": [...]}."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="scaling-whole-") as tmp, two_machines(congestion_control) as net:
-        for rate in [None, *rates]:
+        for rate in [None, *rates]:  # chapter 1 first, alone; then each rate's rows on the two machines
             if rate:
                 shape(net, RATES[rate] and rate)
-            for name in [n for n in rows if (rate is None) == (n == "single") and (not rate or rate in WHOLE_ROWS[n][1])]:
+            for name in ["single"] if rate is None else [n for n in rows if rate in WHOLE_ROWS[n][1]]:
                 for _ in range(repeats):
                     runs.append(run_whole(name, rate, net, data_dir, tmp))
                     print(f"{name} at {rate or 'no link'}: {runs[-1]['train_seconds']:.1f} s, "
@@ -688,15 +687,14 @@ def measure_whole(rows, rates, repeats, data_dir, congestion_control=None):
 
 
 def spread(values, fmt):
-    return f"{fmt(sum(values) / len(values))} ({fmt(min(values))}-{fmt(max(values))})"
+    return f"{fmt(mean(values))} ({fmt(min(values))}-{fmt(max(values))})"
 
 
 def whole_report(measured):
     """--whole's table (each figure the mean of the repeats, min-max after it) and the goals judged on it."""
     runs, env_ = measured["runs"], measured.get("environment", {})
     single = [r for r in runs if r["row"] == "single"]
-    base = sum(r["train_seconds"] for r in single) / len(single)
-    base_accuracy = sum(r["accuracy"] for r in single) / len(single)
+    base, base_accuracy = mean(r["train_seconds"] for r in single), mean(r["accuracy"] for r in single)
     print(f"\nWhole runs: {measured['epochs']} epochs of the 60,000 images at global batch {measured['batch']} (512 per "
           f"rank), --lr {measured['lr']}; one rank per machine, gloo, 1 thread per rank, TCP {measured['tcp']}, no "
           f"delay; the mean of {len(single)} runs (min-max); torch {env_.get('torch')}, {env_.get('cpu_count')} cores\n")
@@ -714,8 +712,7 @@ def whole_report(measured):
     for (name, rate), group in groups.items():
         goal = SPEED_GOAL.get(rate)
         if goal:
-            speed = sum(base / r["train_seconds"] for r in group) / len(group)
-            accuracy = sum(r["accuracy"] for r in group) / len(group)
+            speed, accuracy = mean(base / r["train_seconds"] for r in group), mean(r["accuracy"] for r in group)
             ok = speed >= goal and accuracy >= base_accuracy - 0.01
             print(f"{'PASS' if ok else 'MISS'}: {WHOLE_NAMES[name]} at {RATES[rate]}: {speed:.2f}x chapter 1 over whole "
                   f"runs (goal >= {goal}x), {100 * accuracy:.1f}% against chapter 1's {100 * base_accuracy:.1f}% "
@@ -768,7 +765,7 @@ def main():
     p.add_argument("--reps", type=int, default=3, help="--order's swaps of each kind; the median counts (default 3)")
     p.add_argument("--whole", action="store_true",
                    help=f"instead of the sweep: whole {WHOLE_EPOCHS}-epoch runs as a user times them, --repeats times "
-                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; about 17 minutes on 2 cores)")
+                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; about 15 minutes on 2 cores)")
     p.add_argument("--repeats", type=int, default=3, help="--whole's runs of each row and rate (default 3)")
     args = p.parse_args()
     if args.whole:

@@ -293,7 +293,7 @@ MUTATIONS = [
         ("common/comm_hooks.py", "start_powerSGD_iter=start)", "start_powerSGD_iter=POWERSGD_START)")),
     bug("whole-runs-best-of", "scaling: a whole-run figure is the mean of its repeats, min-max beside it",
         ["tests/test_scaling.py::test_whole_runs_are_timed_and_scored_as_a_user_runs_them"],
-        ("scripts/scaling.py", '    return f"{fmt(sum(values) / len(values))} ({fmt(min(values))}-{fmt(max(values))})"',
+        ("scripts/scaling.py", '    return f"{fmt(mean(values))} ({fmt(min(values))}-{fmt(max(values))})"',
          '    return f"{fmt(max(values))} ({fmt(min(values))}-{fmt(max(values))})"')),
     bug("scaling-adds-overlapping-collectives", "scaling: communication is the time on the link, not the sum of "
         "collectives running at once", ["tests/test_scaling.py::test_scaling_times_the_communication_on_the_link[ddp]"],

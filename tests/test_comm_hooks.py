@@ -85,6 +85,14 @@ def test_a_hook_that_cannot_work_is_one_line(case, refused_runs):
     assert REFUSED[case][1] in proc.stderr, proc.stderr
 
 
+def run_code(code, *args):
+    """Python code in a process of its own, with the project on its path; it must exit 0."""
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=REPO, env=dict(
+        BASE_ENV, PYTHONPATH=f"{REPO}:{BASE_ENV['PYTHONPATH']}"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 # A PowerSGD state made by DDP's real hook at world size 1 (3 steps: 2 plain, then a compressed one), written into a
 # snapshot file by all_gather_hook_state, read back by read_snapshot, and loaded into a new hook with every tensor
 # behaving as the tensors a load onto a GPU gives (map_location=cuda:N): their values cannot become a numpy array.
@@ -146,9 +154,7 @@ def test_a_powersgd_snapshot_loads_onto_a_gpu(tmp_path):
     """On a GPU a snapshot loads straight onto the rank's device: the hook's state must come back whole from tensors
     that cannot become numpy arrays (numpy's random-state keys once did: every rank stopped with a TypeError; they
     are no longer saved, as warm_start draws Q once per bucket and keeps it)."""
-    proc = subprocess.run([sys.executable, "-c", DEVICE_LOAD, str(tmp_path / "snap.pt")], cwd=REPO, env=dict(
-        BASE_ENV, PYTHONPATH=f"{REPO}:{BASE_ENV['PYTHONPATH']}"), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_code(DEVICE_LOAD, tmp_path / "snap.pt")
     assert "resumed: True" in proc.stdout, proc.stdout
 
 
@@ -230,9 +236,7 @@ WIRE_CASES = {
 def wire(tmp_path_factory):
     """Every WIRE_CASES value in one process: {value: {"steps": [[dtype, numel] per all-reduce] per step, "grad": ...}}."""
     rdzv = tmp_path_factory.mktemp("wire") / "rdzv"
-    proc = subprocess.run([sys.executable, "-c", WIRE, str(rdzv), *WIRE_CASES], cwd=REPO, env=dict(
-        BASE_ENV, PYTHONPATH=f"{REPO}:{BASE_ENV['PYTHONPATH']}"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_code(WIRE, rdzv, *WIRE_CASES)
     return json.loads(proc.stdout)
 
 

@@ -51,13 +51,18 @@ os._exit(0)  # as common.cli.end_process: no interpreter shutdown under gloo's t
 """
 
 
-def crossing_seconds(net, procs, numel):
-    """Each rank's times for an all-reduce of numel floats, and for numel floats broadcast from each rank."""
-    code = CROSSINGS.format(master=NODES["nodea"], numel=numel)
+def on_both(net, procs, script, numel):
+    """script, for numel floats, as rank 0 on nodea (the rendezvous) and rank 1 on nodeb: the JSON each rank prints."""
+    code = script.format(master=NODES["nodea"], numel=numel)
     results = run_on_both(net, procs, {node: [sys.executable, "-c", code, str(i)] for i, node in enumerate(NODES)},
                           timeout=120)
     assert [rc for rc, _, _ in results] == [0, 0], results
-    ranks = [json.loads(out) for _, out, _ in results]
+    return [json.loads(out) for _, out, _ in results]
+
+
+def crossing_seconds(net, procs, numel):
+    """Each rank's times for an all-reduce of numel floats, and for numel floats broadcast from each rank."""
+    ranks = on_both(net, procs, CROSSINGS, numel)
     assert [r.pop("sum") for r in ranks] == [2.0, 2.0]  # the sum of both ranks' ones
     return ranks
 
@@ -102,15 +107,10 @@ os._exit(0)
 def test_a_small_all_reduce_after_an_idle_gap_takes_its_wire_time(two_machines, procs, rate):
     """PowerSGD's 15,504 bytes a step after an idle gap, 5 times on each rank: the median takes at least the wire
     time of its bytes, and none less than the wire time of what the one burst does not cover (measured here: at
-    least 1.04x the wire time at 10 Mbit/s and 1.16x at 100 Mbit/s)."""
+    least 1.06x the wire time at 10 Mbit/s and 1.16x at 100 Mbit/s)."""
     numel = 3876
-    net = shaped(two_machines, rate)
-    code = AFTER_IDLE.format(master=NODES["nodea"], numel=numel)
-    results = run_on_both(net, procs, {node: [sys.executable, "-c", code, str(i)] for i, node in enumerate(NODES)},
-                          timeout=120)
-    assert [rc for rc, _, _ in results] == [0, 0], results
     wire = numel * 4 * 8 / tc_bits(rate)
-    for seconds in (json.loads(out) for _, out, _ in results):
+    for seconds in on_both(shaped(two_machines, rate), procs, AFTER_IDLE, numel):
         assert sorted(seconds)[2] >= wire, (seconds, wire)
         assert min(seconds) >= wire * (1 - burst_bytes(tc_bits(rate)) / (numel * 4)), (seconds, wire)
 
