@@ -88,11 +88,11 @@ def train(cfg, ctx):
     # Step 5, wrap: DDP copies rank 0's weights to every rank, then averages the gradients in each backward().
     model = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,  # its GPU, not local_rank's
                 bucket_cap_mb=ONE_BUCKET_MB if cfg.comm_hook.startswith("powersgd") else None)  # see comm_hooks.py
-    hook_state = register_comm_hook(model, cfg)  # --comm-hook: what each all-reduce sends (torch's hook)
     if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    hook_state = register_comm_hook(model, cfg, optimizer, train_loader)  # --comm-hook: what all-reduces send
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
 

@@ -1,11 +1,13 @@
-"""DDP's communication hooks (--comm-hook, the DDP chapters): torch's own, and PowerSGD's state kept in --snapshot."""
+"""DDP's communication hooks (--comm-hook, the DDP chapters): torch's own, their state kept in --snapshot."""
 import argparse
+import math
 import re
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from common.cli import FatalError, flag
 
@@ -24,44 +26,73 @@ ONE_BUCKET_MB = 25
 
 
 def comm_hook_type(text):
-    """--comm-hook's type: none, bf16, fp16, or powersgd[:RANK[:START]] (PowerSGD's rank and first compressed step)."""
-    if not re.fullmatch(r"none|bf16|fp16|powersgd(:[1-9]\d*(:([2-9]|[1-9]\d+))?)?", text):
-        raise argparse.ArgumentTypeError(f"must be none, bf16, fp16 or powersgd[:RANK[:START]] (RANK >= 1, START >= 2; "
-                                         f"e.g. powersgd:4), got {text}")
+    """--comm-hook's type: none, bf16, fp16, powersgd[:RANK[:START]] or localsgd:H[:START] (see COMM_HOOK)."""
+    if not re.fullmatch(r"none|bf16|fp16|powersgd(:[1-9]\d*(:([2-9]|[1-9]\d+))?)?|localsgd:([2-9]|[1-9]\d+)(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"must be none, bf16, fp16, powersgd[:RANK[:START]] or localsgd:H[:START] "
+                                         f"(RANK >= 1, START >= 2, H >= 2; e.g. powersgd:4, localsgd:16), got {text}")
     return text
 
 
-def gpu_machines_cpu(cfg):
-    """torch's PowerSGD hook syncs CUDA on the gradients' device wherever CUDA exists: on --device cpu it fails."""
-    if cfg.comm_hook.startswith("powersgd") and cfg.device == "cpu" and torch.cuda.is_available():
+def check_comm_hook(cfg):
+    """What a hook cannot train with, in one line before any rendezvous (or None)."""
+    if cfg.comm_hook.startswith("powersgd") and cfg.device == "cpu" and torch.cuda.is_available():  # torch's hook
         return ("--comm-hook powersgd cannot train with --device cpu where a GPU is visible: torch's PowerSGD hook "
                 "then calls torch.cuda.synchronize() on the CPU's gradients and fails at its first compressed step; "
                 "train on the GPUs, or hide them to train on the CPU (CUDA_VISIBLE_DEVICES=)")
+    if cfg.comm_hook.startswith("localsgd") and cfg.precision == "fp16":  # each rank's own overflows skip its steps
+        return ("--comm-hook localsgd cannot train with --precision fp16: each rank's GradScaler would skip the steps "
+                "its own gradients overflowed in, and the ranks would average at different steps; use --precision bf16")
 
 
-COMM_HOOK = flag("none", comm_hook_type, "what DDP's all-reduces send: bf16/fp16 halve the bytes; powersgd[:R[:START]]:"
-                 " whole gradients for START steps (default 2), then rank-R factors (R: 1)", check=gpu_machines_cpu)
+COMM_HOOK = flag("none", comm_hook_type, "what DDP's all-reduces send: bf16/fp16 half the bytes; after START steps of "
+                 "whole gradients (default 2), powersgd[:R[:START]] rank-R factors (R: 1), localsgd:H[:START] "
+                 "nothing, the weights averaged every H steps of an epoch and at its end", check=check_comm_hook)
 
 
-def register_comm_hook(model, cfg):
-    """--comm-hook: torch's hook for what each bucket's all-reduce sends; PowerSGD's state (for snapshots), or None."""
+def register_comm_hook(model, cfg, optimizer, loader):
+    """--comm-hook: torch's hook for what each bucket's all-reduce sends; its state (for snapshots), or None."""
     name, *numbers = cfg.comm_hook.split(":")
     if name in ("bf16", "fp16"):
         model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
-    if name != "powersgd":
-        return None
-    rank, start = [int(n) for n in numbers] + [1, POWERSGD_START][len(numbers):]  # powersgd[:RANK[:START]]
-    hook = PowerSGD(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start), model)
-    model.register_comm_hook(hook.state, hook.in_bucket_order)
-    return hook
+    if name == "powersgd":
+        return PowerSGD(model, *map(int, numbers))
+    if name == "localsgd":
+        return LocalSGD(model, optimizer, math.ceil(len(loader) / cfg.accum_steps), *map(int, numbers))
+
+
+class LocalSGD:
+    """Post-local SGD: START steps as DDP, then each rank steps on its own gradients, and every H steps of an epoch
+    and at its end the ranks average their weights (at the end SGD's momentum too: one model to test and snapshot)."""
+
+    def __init__(self, model, optimizer, steps_per_epoch, period, start=2):
+        self.optimizer, self.steps_per_epoch, self.period, self.step = optimizer, steps_per_epoch, period, 0
+        self.state = post_localSGD_hook.PostLocalSGDState(None, None, start, post_local_gradient_allreduce=False)
+        model.register_comm_hook(self.state, post_localSGD_hook.post_localSGD_hook)  # after START: no all-reduce
+        optimizer.register_step_post_hook(self.after_step)  # what torch's PostLocalSGDOptimizer adds to step()
+
+    def after_step(self, *_):
+        """After each optimizer step past START: at steps H, 2H, ... of the epoch and its last, one all-reduce."""
+        self.step += 1
+        if self.step > self.state.start_localSGD_iter and self.step % self.steps_per_epoch % self.period == 0:
+            end = self.step % self.steps_per_epoch == 0
+            momentum = [s["momentum_buffer"] for s in self.optimizer.state.values() if end and "momentum_buffer" in s]
+            average_parameters(iter([p for g in self.optimizer.param_groups for p in g["params"]] + momentum), None)
+
+    def all_gather(self, ctx):  # for rank 0's snapshot: at an epoch's end every rank's weights and momentum are equal
+        return dict(step=self.step, iter=self.state.iter)
+
+    def load(self, saved, ctx, where):
+        self.step, self.state.iter = saved["step"], saved["iter"]
 
 
 class PowerSGD:
     """torch's PowerSGD hook, with its state in --snapshot and its residuals met in the order they were kept in."""
 
-    def __init__(self, state, model):
-        self.state, self.orders = state, {}  # orders: per bucket, its parameters' order (indices into the model's)
+    def __init__(self, model, rank=1, start=POWERSGD_START):
+        self.state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start)
+        self.orders = {}  # per bucket, its parameters' order (indices into the model's)
         self.index = {id(p): i for i, p in enumerate(model.parameters())}
+        model.register_comm_hook(self.state, self.in_bucket_order)
 
     def in_bucket_order(self, state, bucket):
         """torch's hook; on a resumed first step, on a copy laid out as before (MKL rounds by address mod 16 bytes)."""

@@ -110,10 +110,19 @@ WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the other
     "ddp": ([], ("100mbit",)),  # at 10 Mbit/s a whole run takes 11 minutes (2.3 s a step): its steps alone say 0.02x
     "powersgd": (["--comm-hook", "powersgd"], ("100mbit", "10mbit")),  # start 2, the chapters' default
     "powersgd_10pct": (["--comm-hook", f"powersgd:1:{WHOLE_STEPS // 10}"], ("100mbit", "10mbit")),  # torch's advice
+    # post-local SGD: no all-reduce after step START; the weights averaged every 16 steps (at 10 Mbit/s its 22
+    # averages alone would take 47 s), or only at each epoch's end (the epoch's 59 steps), from step 2 or from the first
+    "localsgd": (["--comm-hook", "localsgd:16"], ("100mbit",)),
+    "localsgd_epoch": (["--comm-hook", f"localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}"], ("100mbit", "10mbit")),
+    "localsgd_epoch_0": (["--comm-hook", f"localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}:0"], ("100mbit", "10mbit")),
 }
 WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)",
                "powersgd": "DDP, --comm-hook powersgd (rank 1, start 2)",
-               "powersgd_10pct": f"DDP, --comm-hook powersgd:1:{WHOLE_STEPS // 10} (start at 10%)"}
+               "powersgd_10pct": f"DDP, --comm-hook powersgd:1:{WHOLE_STEPS // 10} (start at 10%)",
+               "localsgd": "DDP, --comm-hook localsgd:16 (post-local SGD, start 2)",
+               "localsgd_epoch": f"DDP, --comm-hook localsgd:{WHOLE_STEPS // WHOLE_EPOCHS} (averaged once an epoch)",
+               "localsgd_epoch_0": f"DDP, --comm-hook localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}:0 (once an epoch, "
+                                   f"local from step 1)"}
 
 
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
@@ -672,14 +681,16 @@ def run_whole(name, rate, net, data_dir, tmp):
 
 
 def measure_whole(rows, rates, repeats, data_dir, congestion_control=None):
-    """--whole: every row at each of its rates, `repeats` times, chapter 1 among them: {"runs": [...]}."""
+    """--whole: every row at each of its rates, `repeats` rounds of all of them (chapter 1 in each, so that a slow
+    spell of the machine falls on every row alike), after one untimed run of chapter 1 (caches): {"runs": [...]}."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="scaling-whole-") as tmp, two_machines(congestion_control) as net:
-        for rate in [None, *rates]:  # chapter 1 first, alone; then each rate's rows on the two machines
-            if rate:
-                shape(net, RATES[rate] and rate)
-            for name in ["single"] if rate is None else [n for n in rows if rate in WHOLE_ROWS[n][1]]:
-                for _ in range(repeats):
+        run_whole("single", None, net, data_dir, tmp)  # warm-up: the first run after a while pays for cold caches
+        for _ in range(repeats):
+            for rate in [None, *rates]:  # chapter 1 alone; then each rate's rows on the two machines
+                if rate:
+                    shape(net, RATES[rate] and rate)
+                for name in ["single"] if rate is None else [n for n in rows if rate in WHOLE_ROWS[n][1]]:
                     runs.append(run_whole(name, rate, net, data_dir, tmp))
                     print(f"{name} at {rate or 'no link'}: {runs[-1]['train_seconds']:.1f} s, "
                           f"{100 * runs[-1]['accuracy']:.1f}%", file=sys.stderr, flush=True)
@@ -765,7 +776,7 @@ def main():
     p.add_argument("--reps", type=int, default=3, help="--order's swaps of each kind; the median counts (default 3)")
     p.add_argument("--whole", action="store_true",
                    help=f"instead of the sweep: whole {WHOLE_EPOCHS}-epoch runs as a user times them, --repeats times "
-                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; about 15 minutes on 2 cores)")
+                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; about 20 minutes on 2 cores)")
     p.add_argument("--repeats", type=int, default=3, help="--whole's runs of each row and rate (default 3)")
     args = p.parse_args()
     if args.whole:

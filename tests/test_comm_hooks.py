@@ -1,4 +1,4 @@
-"""--comm-hook: torch's DDP communication hooks in the DDP chapters, PowerSGD's state in --snapshot, and the refusals.
+"""--comm-hook: torch's DDP communication hooks in the DDP chapters, their state in --snapshot, and the refusals.
 
 What each hook sends, step by step, and the gradient it leaves: test_each_comm_hook_value_sends_what_it_names;
 the bytes per step on the shaped link: tests/test_scaling.py.
@@ -21,13 +21,16 @@ def train(kind, world, real_data, out, procs, *flags):
     return log
 
 
-@pytest.mark.parametrize("kind,hook", [("mp", "powersgd"), ("torchrun", "powersgd:2:5")])
-def test_powersgd_resumes_as_the_uninterrupted_run(kind, hook, real_data, tmp_path, procs):
-    """PowerSGD's residuals (each rank's own), factors, step count and random state go into --snapshot: epoch 2 of a
-    resumed run is epoch 2 of the uninterrupted one. A new DDP's first step holds its bucket in the model's order,
-    later steps in the reverse: the residuals kept in the one are put in the order of the other."""
-    straight = train(kind, 2, real_data, tmp_path / "straight", procs, "--comm-hook", hook)
-    snap = ["--comm-hook", hook, "--snapshot", str(tmp_path / "snap.pt")]
+@pytest.mark.parametrize("kind,hook,flags", [("mp", "powersgd", ()), ("torchrun", "powersgd:2:5", ()),
+                                             ("torchrun", "localsgd:4:3", ("--momentum", "0.9"))],
+                         ids=["mp-powersgd", "torchrun-powersgd:2:5", "torchrun-localsgd:4:3-momentum"])
+def test_a_hook_with_state_resumes_as_the_uninterrupted_run(kind, hook, flags, real_data, tmp_path, procs):
+    """PowerSGD's residuals (each rank's own), factors and step count go into --snapshot: epoch 2 of a resumed run is
+    epoch 2 of the uninterrupted one. A new DDP's first step holds its bucket in the model's order, later steps in
+    the reverse: the residuals kept in the one are put in the order of the other. Post-local SGD's step counts go in
+    too, and each epoch ends with the ranks' weights and momentum averaged: rank 0's snapshot is every rank's."""
+    straight = train(kind, 2, real_data, tmp_path / "straight", procs, "--comm-hook", hook, *flags)
+    snap = ["--comm-hook", hook, *flags, "--snapshot", str(tmp_path / "snap.pt")]
     train(kind, 2, real_data, tmp_path / "resumed", procs, *snap, "--epochs", "1")
     log = train(kind, 2, real_data, tmp_path / "resumed", procs, *snap)
     assert "Resuming from" in log and "1 of 2 epochs done" in log, log
@@ -66,9 +69,13 @@ REFUSED = {
     "not-ddp": (["single_gpu.py", "--comm-hook", "bf16"], "unrecognized arguments: --comm-hook bf16"),
     "fsdp": (["fsdp.py", "--comm-hook", "powersgd"], "unrecognized arguments: --comm-hook powersgd"),
     "rank-0": (["ddp_mp.py", "--comm-hook", "powersgd:0"],
-               "argument --comm-hook: must be none, bf16, fp16 or powersgd[:RANK[:START]]"),
-    "start-1": (["ddp_launch.py", "--comm-hook", "powersgd:1:1"], "(RANK >= 1, START >= 2; e.g. powersgd:4), got "
-                "powersgd:1:1"),
+               "argument --comm-hook: must be none, bf16, fp16, powersgd[:RANK[:START]] or localsgd:H[:START]"),
+    "start-1": (["ddp_launch.py", "--comm-hook", "powersgd:1:1"], "(RANK >= 1, START >= 2, H >= 2; e.g. powersgd:4, "
+                "localsgd:16), got powersgd:1:1"),
+    "period-1": (["ddp_tcp_manual.py", "--comm-hook", "localsgd:1"], "H >= 2; e.g. powersgd:4, localsgd:16), got "
+                 "localsgd:1"),
+    "localsgd-fp16": (["ddp_slurm.py", "--comm-hook", "localsgd:8", "--precision", "fp16"],
+                      "--comm-hook localsgd cannot train with --precision fp16: each rank's GradScaler"),
 }
 
 
@@ -127,8 +134,8 @@ def trained_hook():
     model = DDP(NeuralNetwork(), bucket_cap_mb=25)
     cfg = Config()
     cfg.comm_hook = "powersgd"
-    hook = register_comm_hook(model, cfg)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    hook = register_comm_hook(model, cfg, optimizer, range(3))
     for _ in range(3):
         model(torch.rand(8, 1, 28, 28)).sum().backward()
         optimizer.step()
@@ -205,12 +212,14 @@ for value in sys.argv[2:]:
     cfg.comm_hook = value
     model = DDP(NeuralNetwork(), bucket_cap_mb=ONE_BUCKET_MB if value.startswith("powersgd") else None)
     model.module.load_state_dict(plain.state_dict())
-    register_comm_hook(model, cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # steps that leave the weights as they are
+    register_comm_hook(model, cfg, optimizer, range(5))  # epochs of 5 steps
     steps = []
     for _ in range(7):
         sent.append([])
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        optimizer.step()
         steps.append(sent[-1])
     # the last step's gradient of the first weight, against plain fp32, bf16 and fp16 rounding of the same gradient
     got, want = model.module.linear_relu_stack[0].weight.grad, plain.linear_relu_stack[0].weight.grad
@@ -220,6 +229,7 @@ print(json.dumps(report), flush=True)
 destroy_process_group()
 """
 FULL = 669_706  # every gradient: DDP's first step sends it in one bucket, later ones in two (DDP rebuilds them)
+WEIGHTS = ["float32", FULL]  # post-local SGD's average: every weight, flattened
 POWERSGD = lambda rank: [["float32", 1034], ["float32", 1034 * rank], ["float32", 1808 * rank]]  # noqa: E731
 # biases as they are (512 + 512 + 10), then P (n x rank per weight: 512 + 512 + 10 rows), then Q (784 + 512 + 512)
 WIRE_CASES = {
@@ -229,6 +239,12 @@ WIRE_CASES = {
     "powersgd": dict(steps=[[["float32", FULL]]] * 2 + [POWERSGD(1)] * 5, grad=None),  # start 2, rank 1
     "powersgd:2:5": dict(steps=[[["float32", FULL]]] * 5 + [POWERSGD(2)] * 2, grad=None),
     "powersgd:4:3": dict(steps=[[["float32", FULL]]] * 3 + [POWERSGD(4)] * 4, grad=None),
+    # post-local SGD: torch's all-reduce for START steps, then none, and every H steps of an epoch (of 5 here) and at
+    # its end the weights in one flat all-reduce (torch's average_parameters), the step's gradient left exactly
+    "localsgd:4": dict(steps=[[["float32", FULL]], [["float32", 267_786], ["float32", 401_920]], [], [WEIGHTS],
+                              [WEIGHTS], [], []], grad="fp32"),
+    "localsgd:2:3": dict(steps=[[["float32", FULL]]] + [[["float32", 267_786], ["float32", 401_920]]] * 2 +
+                         [[WEIGHTS], [WEIGHTS], [], [WEIGHTS]], grad="fp32"),
 }
 
 

@@ -97,11 +97,15 @@ def test_a_training_step_reads_and_copies_nothing_on_the_host(precision, fake_da
 
 def test_the_docs_say_which_modes_read_back_each_step():
     """docs/benchmark.md's table of host syncs per step matches what the test above finds, and what torch's PowerSGD
-    hook does on CUDA (it calls torch.cuda.synchronize(device) after every compressed step)."""
+    hook does on CUDA (it calls torch.cuda.synchronize(device) after every compressed step), and post-local SGD's
+    averages (torch's average_parameters synchronizes the device before its all-reduce)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.distributed.algorithms.model_averaging import utils
 
     rows = dict(re.findall(r"^\| `([^`]+)` \| ([^|]+) \|", (REPO / "docs" / "benchmark.md").read_text(), re.M))
     assert rows["--precision fp32"].startswith("none") and rows["--precision bf16"].startswith("none"), rows
     assert rows["--precision fp16"].startswith("one") and HOST_SYNCS["fp16"] in rows["--precision fp16"], rows
     assert "torch.cuda.synchronize(device)" in inspect.getsource(powerSGD_hook.powerSGD_hook)
     assert "torch.cuda.synchronize" in rows["--comm-hook powersgd"], rows
+    assert "torch.accelerator.synchronize()" in inspect.getsource(utils.average_parameters)
+    assert "torch.accelerator.synchronize()" in rows["--comm-hook localsgd:H"], rows

@@ -238,9 +238,9 @@ def test_every_flag_has_a_cuda_twin():
 
     helps = run_forked([(chapter, ["--help"], {}) for chapter in test_gpu.CHAPTER_NAMES])
     hook = run_forked([("ddp_mp.py", ["--comm-hook", "?"], {})])[0].stderr
-    listed = hook.split("must be ", 1)[1].split(" (", 1)[0]  # none, bf16, fp16 or powersgd[:RANK[:START]]
-    hook_values = [re.sub(r"\[.*", "", value) for value in re.split(r", | or ", listed)]
-    assert "powersgd" in hook_values, hook
+    listed = hook.split("must be ", 1)[1].split(" (", 1)[0]  # none, bf16, fp16, powersgd[:RANK[:START]] or localsgd:H...
+    hook_values = [re.sub(r"[\[:].*", "", value) for value in re.split(r", | or ", listed)]
+    assert "powersgd" in hook_values and "localsgd" in hook_values, hook
     in_every_run = " ".join(test_gpu.SLICE) + inspect.getsource(test_gpu.chapter_command)
     twins = test_gpu.TWINS
     passed = {(flag, value) for t in twins for flag, value in zip(t.flags, [*t.flags[1:], ""])}
