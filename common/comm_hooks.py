@@ -27,7 +27,8 @@ ONE_BUCKET_MB = 25
 
 def comm_hook_type(text):
     """--comm-hook's type: none, bf16, fp16, powersgd[:RANK[:START]] or localsgd:H[:START] (see COMM_HOOK)."""
-    if not re.fullmatch(r"none|bf16|fp16|powersgd(:[1-9]\d*(:([2-9]|[1-9]\d+))?)?|localsgd:([2-9]|[1-9]\d+)(:\d+)?", text):
+    if not re.fullmatch(r"none|bf16|fp16|powersgd(:[1-9]\d*(:([2-9]|[1-9]\d+))?)?|localsgd:([2-9]|[1-9]\d+)(:\d+)?",
+                        text):
         raise argparse.ArgumentTypeError(f"must be none, bf16, fp16, powersgd[:RANK[:START]] or localsgd:H[:START] "
                                          f"(RANK >= 1, START >= 2, H >= 2; e.g. powersgd:4, localsgd:16), got {text}")
     return text

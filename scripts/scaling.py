@@ -105,9 +105,10 @@ PORT = "29500"
 # 20.8% after 5 epochs for everyone; at 0.016 chapter 1 reaches 64.8%, as at the quickstart's batch (64.9%).
 WHOLE_EPOCHS, WHOLE_LR = 5, 0.016
 WHOLE_STEPS = WHOLE_EPOCHS * -(-60_000 // BATCH)  # 295 optimizer steps; PowerSGD from 10% of them is START 29
-WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the others on the two machines
+WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the others on the two machines (ddp_launch.py)
     "single": ([], ()),
     "ddp": ([], ("100mbit",)),  # at 10 Mbit/s a whole run takes 11 minutes (2.3 s a step): its steps alone say 0.02x
+    "by_hand": ([], ("100mbit",)),  # chapter 3b, ddp_by_hand.py: DDP's job by hand, beside DDP
     "powersgd": (["--comm-hook", "powersgd"], ("100mbit", "10mbit")),  # start 2, the chapters' default
     "powersgd_10pct": (["--comm-hook", f"powersgd:1:{WHOLE_STEPS // 10}"], ("100mbit", "10mbit")),  # torch's advice
     # post-local SGD: no all-reduce after step START; the weights averaged every 16 steps (at 10 Mbit/s its 22
@@ -116,7 +117,7 @@ WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the other
     "localsgd_epoch": (["--comm-hook", f"localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}"], ("100mbit", "10mbit")),
     "localsgd_epoch_0": (["--comm-hook", f"localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}:0"], ("100mbit", "10mbit")),
 }
-WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)",
+WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)", "by_hand": "DDP by hand (chapter 3b)",
                "powersgd": "DDP, --comm-hook powersgd (rank 1, start 2)",
                "powersgd_10pct": f"DDP, --comm-hook powersgd:1:{WHOLE_STEPS // 10} (start at 10%)",
                "localsgd": "DDP, --comm-hook localsgd:16 (post-local SGD, start 2)",
@@ -673,7 +674,7 @@ def run_whole(name, rate, net, data_dir, tmp):
         procs = [subprocess.Popen([sys.executable, "single_gpu.py", *args], cwd=REPO, env=env(),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
     else:
-        procs = torchrun_on_two(net, ["ddp_launch.py", *args])
+        procs = torchrun_on_two(net, ["ddp_by_hand.py" if name == "by_hand" else "ddp_launch.py", *args])
     wait_for(procs, f"{WHOLE_NAMES[name]} at {rate or 'no link'}", timeout=1800)
     epochs = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
     return dict(row=name, rate=rate, train_seconds=sum(r["train_seconds"] for r in epochs),
@@ -776,13 +777,14 @@ def main():
     p.add_argument("--reps", type=int, default=3, help="--order's swaps of each kind; the median counts (default 3)")
     p.add_argument("--whole", action="store_true",
                    help=f"instead of the sweep: whole {WHOLE_EPOCHS}-epoch runs as a user times them, --repeats times "
-                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; about 20 minutes on 2 cores)")
+                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; all but by_hand by "
+                        f"default, about 20 minutes on 2 cores)")
     p.add_argument("--repeats", type=int, default=3, help="--whole's runs of each row and rate (default 3)")
     args = p.parse_args()
     if args.whole:
         if args.from_json:
             return whole_report(json.loads(Path(args.from_json).read_text()))
-        rows = args.rows.split(",") if "--rows" in sys.argv else list(WHOLE_ROWS)
+        rows = args.rows.split(",") if "--rows" in sys.argv else [n for n in WHOLE_ROWS if n != "by_hand"]
         rates = args.rates.split(",") if "--rates" in sys.argv else ["100mbit", "10mbit"]
         unknown = [r for r in rows if r not in WHOLE_ROWS] + [r for r in rates if r not in RATES]
         if unknown or "single" not in rows or args.repeats < 1:

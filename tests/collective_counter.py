@@ -1,9 +1,10 @@
 """Started by tests/test_training_flags.py under torchrun: how often the gradients cross the network per step.
 
-One epoch of common.engine.train_one_epoch with --accum-steps 1, 2 and 4, wrapped as DDP and as FSDP2 (as the
-chapters wrap it), on 192 random images. DDP: a communication hook sees every bucket DDP all-reduces (and passes it
+One epoch of common.engine.train_one_epoch with --accum-steps 1, 2 and 4, wrapped as DDP, as FSDP2 and by hand (as
+the chapters do it), on 192 random images. DDP: a communication hook sees every bucket DDP all-reduces (and passes it
 on to the default all-reduce), and which of them closed a backward (the last bucket). FSDP2: every
-reduce_scatter_single FSDP2 calls is counted on its way through. Rank 0 prints one JSON line per wrap and K: the
+reduce_scatter_single FSDP2 calls is counted on its way through. By hand (ddp_by_hand.py's average_gradients before
+each optimizer step): every all-reduce of a gradient. Rank 0 prints one JSON line per wrap and K: the
 optimizer steps, the micro-batches, and the counts.
 """
 import json
@@ -29,6 +30,7 @@ from common.cli import run_main  # noqa: E402
 from common.engine import MetricsLog  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
 from common.ranks import DistContext, destroy_process_group  # noqa: E402
+import ddp_by_hand  # noqa: E402
 
 
 def ddp(counts):
@@ -53,6 +55,14 @@ def fsdp(counts):
     return fully_shard(model, mesh=mesh)
 
 
+def by_hand(counts):
+    """NeuralNetwork as ddp_by_hand.py keeps it (its gradients averaged before each step, below), with rank 0's weights."""
+    model = NeuralNetwork()
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    return model
+
+
 def main():
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size())
@@ -67,8 +77,15 @@ def main():
         return reduce_scatter(*args, **kwargs)
 
     dist.reduce_scatter_single = counting_reduce_scatter
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):  # by hand: ddp_by_hand.py's dist.all_reduce of a gradient
+        counts.extend([False] * any(tensor is p.grad for p in model.parameters()))
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
     try:
-        for wrap in (ddp, fsdp):
+        for wrap in (ddp, fsdp, by_hand):
             for k in (1, 2, 4):
                 cfg = Config(batch_size=32, accum_steps=k, log_every=1000)
                 sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
@@ -79,7 +96,9 @@ def main():
                 model = wrap(counts)
                 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
                 held_back = dict(no_sync=model.no_sync) if wrap is ddp else dict(
-                    gradient_sync=model.set_requires_gradient_sync)  # as the chapters pass them (ddp_launch.py, fsdp.py)
+                    gradient_sync=model.set_requires_gradient_sync) if wrap is fsdp else {}  # as the chapters pass them
+                if wrap is by_hand:  # ddp_by_hand.py's line
+                    optimizer.register_step_pre_hook(lambda *_: ddp_by_hand.average_gradients(model, ctx.world_size))
                 train_one_epoch(model, loader, optimizer, None, 0, cfg, ctx, MetricsLog(None, ctx), **held_back)
                 if ctx.is_main:
                     print(json.dumps(dict(wrap=wrap.__name__, accum_steps=k, micro_batches=len(loader),

@@ -98,6 +98,7 @@ QUICK = [
     "tests/test_ddp.py::test_ddp_trains_the_same_model[mp-2]",
     "tests/test_ddp.py::test_ddp_trains_the_same_model[tcp-2]",
     "tests/test_ddp.py::test_ddp_trains_the_same_model[srun-env-2]",
+    "tests/test_ddp.py::test_ddp_trains_the_same_model[by-hand-2]",
     "tests/test_ddp.py::test_leaving_the_group_after_a_collective_never_hangs",
     "tests/test_fsdp.py::test_fsdp_trains_the_same_model[2]",
     "tests/test_debug_hang.py::test_broken_case_fails_soon_naming_the_mismatch[eval-on-rank0]",

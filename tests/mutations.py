@@ -127,6 +127,16 @@ MUTATIONS = [
         ("ddp_launch.py", "        model.compile()", "        pass")),
 
     # --- Slow links: DDP's communication hooks (--comm-hook) ---
+    bug("by-hand-sums-without-dividing", "chapter 3b averages the ranks' gradients: summed, then divided by the "
+        "world size", ["tests/test_ddp.py::test_ddp_trains_the_same_model[by-hand-2]"],
+        ("ddp_by_hand.py", "        param.grad /= world_size\n", "")),
+    bug("by-hand-no-all-reduce", "chapter 3b steps on every rank's gradients, all-reduced",
+        ["tests/test_ddp.py::test_ddp_trains_the_same_model[by-hand-2]",
+         "tests/test_training_flags.py::test_one_gradient_sync_per_optimizer_step[by_hand]"],
+        ("ddp_by_hand.py", "        dist.all_reduce(param.grad)  # the sum", "        pass  # the sum")),
+    bug("by-hand-no-broadcast", "chapter 3b starts every rank from rank 0's weights",
+        ["tests/test_ddp.py::test_every_rank_starts_from_rank_0s_weights[ddp_by_hand.py]"],
+        ("ddp_by_hand.py", "        dist.broadcast(tensor, src=0)", "        pass")),
     bug("comm-hook-not-registered", "--comm-hook bf16 sends half the bytes: counted in gloo's collectives",
         ["tests/test_scaling.py::test_scaling_counts_the_bytes_each_strategy_sends[bf16]"],
         ("common/comm_hooks.py", '        model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))',

@@ -68,7 +68,8 @@ CUDA_VS_CPU = 1e-4
 SAME_MODEL = 1e-5
 
 
-TORCHRUN_CHAPTERS = ("ddp_launch.py", "fsdp.py", "tensor_parallel.py", "pipeline.py", "debug_hang.py")
+TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py",
+                     "debug_hang.py")
 
 
 def chapter_command(script, out, data, *extra):
@@ -133,8 +134,8 @@ class Twin:
 
 
 MODEL_FLAGS = ("--seed", "--lr", "--momentum", "--precision", "--train-samples")
-CHAPTER_NAMES = ["single_gpu.py", "dataparallel.py", "ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py",
-                 "fsdp.py", "debug_hang.py", "tensor_parallel.py", "pipeline.py"]
+CHAPTER_NAMES = ["single_gpu.py", "dataparallel.py", "ddp_launch.py", "ddp_by_hand.py", "ddp_mp.py",
+                 "ddp_tcp_manual.py", "ddp_slurm.py", "fsdp.py", "debug_hang.py", "tensor_parallel.py", "pipeline.py"]
 MOMENTUM = ("--momentum", "0.9")  # an optimizer with state: a resumed run must load it onto the GPU too
 LEARNS = ("--lr", "0.05")  # SLICE's 2 epochs at the quickstart's 1e-3 stay near chance (10.6%): nothing to compare
 TWINS = [
@@ -175,6 +176,11 @@ TWINS = [
     Twin("ddp_slurm.py", (*LEARNS, "--comm-hook", "powersgd:2:5"), "trains"),
     Twin("ddp_mp.py", ("--comm-hook", "powersgd", "--device", "cpu"), "refused",
          "--comm-hook powersgd cannot train with --device cpu where a GPU is visible"),
+    # DDP by hand (chapter 3b): its broadcast and per-tensor all-reduces on NCCL, with accumulation, bf16, a compiled
+    # model and a resumed run; fp16 refused.
+    Twin("ddp_by_hand.py"), Twin("ddp_by_hand.py", ("--accum-steps", "2", "--precision", "bf16")),
+    Twin("ddp_by_hand.py", ("--compile",)), Twin("ddp_by_hand.py", MOMENTUM, "resume"),
+    Twin("ddp_by_hand.py", ("--precision", "fp16"), "refused", "ddp_by_hand.py trains in --precision fp32 or bf16"),
     # post-local SGD at world size 1: its averages are of one rank, so it is chapter 1's model; fp16 is refused.
     Twin("ddp_launch.py", ("--comm-hook", "localsgd:4")), Twin("ddp_mp.py", ("--comm-hook", "localsgd:2:5")),
     Twin("ddp_slurm.py", ("--comm-hook", "localsgd:4", "--precision", "fp16"), "refused",

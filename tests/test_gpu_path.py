@@ -67,6 +67,7 @@ def _slurm_env(rank, local_rank, world):
 
 CHAPTERS = [  # (command, environment, GPUs this process sees, [(rank, the device it must bind NCCL to)])
     (["ddp_launch.py"], _launch_env(3, 1, 4, 2), 2, [(3, "cuda:1")]),
+    (["ddp_by_hand.py"], _launch_env(3, 1, 4, 2), 2, [(3, "cuda:1")]),
     (["fsdp.py"], _launch_env(1, 1, 2, 2), 2, [(1, "cuda:1")]),
     (["debug_hang.py", "--bug", "early-stop"], _launch_env(1, 1, 2, 2), 2, [(1, "cuda:1")]),
     (["ddp_mp.py"], {}, 2, [(0, "cuda:0"), (1, "cuda:1")]),

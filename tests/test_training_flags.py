@@ -17,7 +17,7 @@ from test_ddp import SAME_MODEL, _accuracy_lines, launch
 # step's images from one weighted 1/K; 996 still splits over 1, 2 and 3 ranks without DistributedSampler's padding.
 ACCUM_SAMPLES = ["--train-samples", "996"]
 ACCUM = [("single", 1, 2), ("single", 1, 4), ("mp", 1, 4), ("torchrun", 2, 2), ("tcp", 2, 4), ("mp", 3, 2),
-         ("torchrun", 3, 4), ("fsdp", 2, 2)]
+         ("torchrun", 3, 4), ("fsdp", 2, 2), ("by-hand", 3, 2)]
 
 
 def train(kind, world, real_data, out, procs, *flags):
@@ -68,7 +68,7 @@ def collective_counts():
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp", "by_hand"])
 def test_one_gradient_sync_per_optimizer_step(wrap, collective_counts):
     """Counted on the wire: accumulating 2 or 4 micro-batches sends the gradients as often as 1 does."""
     runs = [r for r in collective_counts if r["wrap"] == wrap]
@@ -78,8 +78,10 @@ def test_one_gradient_sync_per_optimizer_step(wrap, collective_counts):
         assert r["collectives"] == runs[0]["collectives"]  # the same gradients sent once per step, not K times
         if wrap == "ddp":
             assert r["backward_ends"] == r["steps"]  # all micro-batches but the last ran in no_sync()
-        else:
+        elif wrap == "fsdp":
             assert r["collectives"] == 3 * r["steps"]  # one reduce-scatter per Linear unit per optimizer step
+        else:
+            assert r["collectives"] == 6 * r["steps"]  # by hand: one all-reduce per tensor (3 weights, 3 biases)
 
 
 CANNOT_WORK = [

@@ -1,0 +1,116 @@
+"""Chapter 3b: DDP's job done by hand, chapter 3 otherwise: rank 0's weights sent to every rank, and before each
+optimizer step every gradient all-reduced and divided by the world size. The lesson: diff ddp_launch.py ddp_by_hand.py
+
+    torchrun --standalone --nproc-per-node 2 ddp_by_hand.py     # one machine, 2 processes (GPUs, or the CPU)
+
+It trains chapter 3's model, and waits longer for the network: one blocking all-reduce per tensor after the whole
+backward, where DDP sends buckets of gradients while the backward still runs (docs/scaling.md measures both).
+"""
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
+
+from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
+from common.cli import UsageError, parse_config, run_main
+from common.data import load_fashion_mnist, locate_fashion_mnist
+from common.engine import MetricsLog, evaluate, train_one_epoch
+from common.model import NeuralNetwork
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker,
+                          destroy_process_group, name_rank_in_errors, print0, rank_device)
+
+
+@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+def main():
+    cfg = parse_config(description=__doc__)
+    if cfg.precision == "fp16":  # GradScaler skips a step on this rank's own overflow, before the average is taken
+        raise UsageError("ddp_by_hand.py trains in --precision fp32 or bf16: fp16's GradScaler would check each rank's "
+                         "own gradients for overflow before they are averaged, so one rank could skip a step the "
+                         "others take; use --precision bf16, or chapter 3 (ddp_launch.py)")
+    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
+    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    name_rank_in_errors(rank, world_size)
+    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
+    # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
+    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+    try:
+        train(cfg, ctx)  # steps 4 to 7, below
+    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
+        destroy_process_group()  # dist.destroy_process_group(), without torch 2.6's hang (common/ranks.py)
+
+
+def train(cfg, ctx):
+    print0(ctx, cfg.describe())
+    print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
+    torch.set_num_threads(all_gather_flags(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
+    output = prepare_output(cfg.output)
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+
+    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
+    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
+        locate_fashion_mnist(cfg.data_dir)
+    dist.barrier()  # ... while the others wait here
+    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
+    train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
+                              sampler=train_sampler, collate_fn=default_convert)
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
+                             collate_fn=default_convert)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
+    model = NeuralNetwork().to(ctx.device)
+    # Step 5, wrap: by hand, every rank starts from rank 0's weights (what DDP's constructor does) ...
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if cfg.compile:  # in place (state_dict() keeps its keys): docs/benchmark.md says what it compiles
+        model.compile()
+    print0(ctx, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    # ... and steps with the ranks' mean gradient (what DDP's backward() does): averaged just before each step
+    optimizer.register_step_pre_hook(lambda *_: average_gradients(model, ctx.world_size))
+    # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
+
+    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs it holds
+    metrics = MetricsLog(output, ctx, first_epoch)
+    # Step 6, epochs: each draws its own shuffle from seed + epoch.
+    for epoch in range(first_epoch, cfg.epochs):
+        print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
+        train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
+        # backward() leaves each rank its own gradients (--accum-steps: summed over micro-batches); step() averages
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
+        evaluate(model, test_loader, epoch, ctx, metrics)
+        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # every --save-every epochs
+        if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
+            return
+    print0(ctx, "Done!")
+
+    # Step 7, save: the model's weights, once (every rank holds the same).
+    if ctx.is_main:
+        save_weights(model, output / "model.pth")
+    print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+def average_gradients(model, world_size):
+    """DDP's job by hand: each gradient summed over the ranks, one blocking all-reduce per tensor, then averaged."""
+    for param in model.parameters():
+        dist.all_reduce(param.grad)  # the sum of every rank's gradient, in place on every rank
+        param.grad /= world_size
+
+
+if __name__ == "__main__":
+    run_main(main)
