@@ -3,8 +3,9 @@ optimizer step every gradient all-reduced and divided by the world size. The les
 
     torchrun --standalone --nproc-per-node 2 ddp_by_hand.py     # one machine, 2 processes (GPUs, or the CPU)
 
-It trains chapter 3's model, and waits longer for the network: one blocking all-reduce per tensor after the whole
-backward, where DDP sends buckets of gradients while the backward still runs (docs/scaling.md measures both).
+It trains chapter 3's model, and waits for the network where DDP need not: one blocking all-reduce per tensor after
+the whole backward, where DDP sends buckets of gradients while the backward still runs (docs/scaling.md measures both:
+45% longer than DDP at 1 Gbit/s, no difference at 100 Mbit/s, where the wire dwarfs the backward).
 """
 import os
 from datetime import timedelta

@@ -107,8 +107,8 @@ WHOLE_EPOCHS, WHOLE_LR = 5, 0.016
 WHOLE_STEPS = WHOLE_EPOCHS * -(-60_000 // BATCH)  # 295 optimizer steps; PowerSGD from 10% of them is START 29
 WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the others on the two machines (ddp_launch.py)
     "single": ([], ()),
-    "ddp": ([], ("100mbit",)),  # at 10 Mbit/s a whole run takes 11 minutes (2.3 s a step): its steps alone say 0.02x
-    "by_hand": ([], ("100mbit",)),  # chapter 3b, ddp_by_hand.py: DDP's job by hand, beside DDP
+    "ddp": ([], ("100mbit", "1gbit")),  # at 10 Mbit/s a whole run takes 11 minutes (2.3 s a step): 0.02x a step
+    "by_hand": ([], ("100mbit", "1gbit")),  # chapter 3b, ddp_by_hand.py: DDP's job by hand, beside DDP
     "powersgd": (["--comm-hook", "powersgd"], ("100mbit", "10mbit")),  # start 2, the chapters' default
     "powersgd_10pct": (["--comm-hook", f"powersgd:1:{WHOLE_STEPS // 10}"], ("100mbit", "10mbit")),  # torch's advice
     # post-local SGD: no all-reduce after step START; the weights averaged every 16 steps (at 10 Mbit/s its 22
