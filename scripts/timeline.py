@@ -16,21 +16,22 @@ threads of its own), and writes into --out:
 """
 import argparse
 import json
+import math
 import os
 import runpy
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common.cli import FatalError, UsageError, run_main  # noqa: E402
+from scripts.scaling import PROFILER_DTYPES  # noqa: E402  (the profiler's dtype names as strategy_table's)
+from scripts.strategy_table import DTYPE_BYTES  # noqa: E402
 
 TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py")
 MARK = "timeline:"  # this script's own profiler ranges: timeline:start, timeline:step, timeline:forward
-BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4}
 COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "all_reduce": "#C44E52",
            "all_gather": "#DD8452", "reduce_scatter": "#CCB974", "send": "#64B5CD", "recv": "#8C8C8C",
            "broadcast": "#937860"}
@@ -127,10 +128,7 @@ def collective_bytes(event):
     """The bytes of a gloo collective's input, from the profiler's recorded shapes and dtypes."""
     args = event.get("args", {})
     dims, types = args.get("Input Dims") or [[]], args.get("Input type") or ["float"]
-    count = 1
-    for d in (dims[0] or [0]):
-        count *= d
-    return count * BYTES.get(types[0], 4)
+    return math.prod(dims[0] or [0]) * DTYPE_BYTES[PROFILER_DTYPES.get(types[0], "Float")]
 
 
 def size_text(n):
