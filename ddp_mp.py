@@ -3,10 +3,9 @@
     python ddp_mp.py                         # one process per visible GPU (2 processes on a CPU-only machine)
     python ddp_mp.py --nprocs 2 --device cpu
 
-The parent process parses the flags, picks the rendezvous address and spawns --nprocs workers; worker i is rank i.
+The parent process parses the flags, holds the rendezvous store and spawns --nprocs workers; worker i is rank i.
 """
 import functools
-import os
 from datetime import timedelta
 
 import torch
@@ -21,7 +20,7 @@ from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, all_gather_flags, check_global_batch, destroy_process_group, free_port,
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, destroy_process_group,
                           name_rank_in_errors, print0, rank_device)
 
 
@@ -32,10 +31,12 @@ def main():
     world_size = cfg.nprocs or gpus or 2  # one process per visible GPU, or 2 on the CPU (still two ranks to show)
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     rank_device(cfg.device, 0, world_size)  # more processes than GPUs: one line now, before any starts
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where the workers reach rank 0: all run on this machine
-    os.environ.setdefault("MASTER_PORT", str(free_port()))  # a port that is free now, not a fixed 12355
+    # As torchrun's agent does, this process holds the store where the ranks meet, on a free port bound before any
+    # worker starts (a port only chosen now could be taken by another program before rank 0 binds it).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.timeout))
     try:
-        mp.spawn(worker, args=(cfg, world_size), nprocs=world_size)  # worker(i, cfg, world_size) for i in 0..nprocs-1
+        mp.spawn(worker, args=(cfg, world_size, store.port), nprocs=world_size)  # worker(i, cfg, world_size, port)
     except mp.ProcessExitedException as e:  # a worker failed (and said why, unless killed); spawn stopped the others
         raise SystemExit(e.exit_code if e.exit_code > 0 else f"error: rank {e.error_index} was killed by {e.signal_name}")
 
@@ -54,7 +55,7 @@ def spawned(fn):
 
 
 @spawned  # a failing worker prints its error and exits non-zero; mp.spawn then stops the others
-def worker(rank, cfg, world_size):
+def worker(rank, cfg, world_size, port):
     # Step 1, who am I: mp.spawn passes each worker its index first: its rank, and its local rank (one machine).
     local_rank = rank
     name_rank_in_errors(rank, world_size)
@@ -63,8 +64,9 @@ def worker(rank, cfg, world_size):
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # Step 3, init: env:// reads the MASTER_ADDR/MASTER_PORT main() set; a peer missing for --timeout is an error.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+    # Step 3, init: join main()'s store (what env:// would make on rank 0); a peer missing for --timeout is an error.
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
                             device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
     try:

@@ -1,6 +1,8 @@
 """Who this process is among the ranks, which device it computes on, how the launchers start them, and the few things
 all ranks say together."""
+import contextlib
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass
@@ -95,11 +97,17 @@ def check_torchrun_worker():
                          "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
 
 
-def free_port(host="127.0.0.1"):
-    """A port the OS says is free right now (instead of a hard-coded 12355 that a second job would collide on)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host="127.0.0.1", candidates=None):
+    """A port free now, for a command told its port before it binds it (tcp://HOST:PORT, --rdzv-endpoint): from
+    below the OS's ephemeral range (bind(0)'s pick), whose ports any outgoing connection may take in between."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; 32768 is below macOS's 49152 too
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    start = random.randrange(10000, low)
+    for port in candidates or [*range(start, low), *range(10000, start)]:
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind((host, port))
+            return port
+    raise OSError(f"no free port on {host} below {low}")
 
 
 # Flags every rank must share: with others, the ranks take different numbers of steps or collectives, and gloo

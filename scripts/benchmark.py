@@ -152,8 +152,9 @@ def _floor_worker(rank, args, port):
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(cpu_threads(world))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))  # case_ddp_floor's
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
     try:
         train_set = data.load_fashion_mnist(Config(data_dir=args.data_dir), device)[0]
         # Rank r's share of the first epoch, in DistributedSampler's order, converted before any clock starts.
@@ -216,7 +217,9 @@ def case_ddp_floor(args):
     """(f)-(h) The parts of a DDP step on --nprocs ranks, each timed alone: compute, all-reduce, both by hand."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_floor_worker, args=(args, free_port()), nprocs=args.nprocs)
+    # As ddp_mp.py: the store is bound here, before the ranks start, so nothing can take its port in between.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    mp.spawn(_floor_worker, args=(args, store.port), nprocs=args.nprocs)
 
 
 INNER_CASES = {"quickstart": case_quickstart, "floor": case_floor, "ddp_compute": case_ddp_floor,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/, when
 
 from common.cli import POSITIVE, FatalError, explain, flag, parse_config, run_main  # noqa: E402
 from common.comm_hooks import COMM_HOOK  # noqa: E402
-from common.ranks import DistContext, destroy_process_group, free_port, name_rank_in_errors, rank_device  # noqa: E402
+from common.ranks import DistContext, destroy_process_group, name_rank_in_errors, rank_device  # noqa: E402
 from ddp_mp import spawned  # noqa: E402  (how chapter 4's workers end)
 from ddp_slurm import first_node  # noqa: E402
 
@@ -156,8 +156,11 @@ def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
     print(f"[rank {rank}] host={host} local_rank={local_rank} device={device} backend={backend} "
           f"world_size={world_size} iface={interface_in_use(backend)}\n", end="", flush=True)
     everyone = [None] * world_size
+    where = init_method or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # None: the spawner's store
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+        store = None if init_method else dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                       is_master=False, timeout=timedelta(seconds=cfg.timeout))
+        dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=cfg.timeout),
                                 device_id=device if device.type == "cuda" else None)  # NCCL connects here
         dist.all_gather_object(everyone, host)  # the first collective: every rank's host name
@@ -165,7 +168,7 @@ def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
         if dist.is_initialized():
             destroy_process_group()
         why = explain(e) or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        raise FatalError(f"preflight: FAILED: rank {rank} on {host} could not meet the others at {init_method}: "
+        raise FatalError(f"preflight: FAILED: rank {rank} on {host} could not meet the others at {where}: "
                          f"{why}") from None
     try:
         preflight(ctx, backend, everyone)
@@ -175,7 +178,7 @@ def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
 
 @spawned
 def spawned_rank(rank, cfg, world_size):
-    run_rank(rank, rank, world_size, world_size, cfg, "env://")
+    run_rank(rank, rank, world_size, world_size, cfg, None)
 
 
 def main():
@@ -184,8 +187,10 @@ def main():
     if cfg.nprocs is not None or not ({"RANK", "WORLD_SIZE"} <= os.environ.keys() or "SLURM_STEP_ID" in os.environ):
         gpus = torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 0
         world_size = cfg.nprocs or gpus or 2  # as ddp_mp.py: mp.spawn on this machine
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # as ddp_mp.py: the store is bound before the ranks start
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0)), is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))
+        os.environ["MASTER_PORT"] = str(store.port)
         try:
             mp.spawn(spawned_rank, args=(cfg, world_size), nprocs=world_size)
         except mp.ProcessExitedException as e:  # a rank failed and said why; spawn stopped the others

@@ -137,6 +137,21 @@ MUTATIONS = [
     bug("by-hand-no-broadcast", "chapter 3b starts every rank from rank 0's weights",
         ["tests/test_ddp.py::test_every_rank_starts_from_rank_0s_weights[ddp_by_hand.py]"],
         ("ddp_by_hand.py", "        dist.broadcast(tensor, src=0)", "        pass")),
+    bug("mp-port-chosen-then-bound-later", "no program can take ddp_mp.py's rendezvous port while its workers start",
+        ["tests/test_ddp.py::test_mp_port_cannot_be_taken_while_the_workers_start"],
+        ("ddp_mp.py", """    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.timeout))
+    try:
+        mp.spawn(worker, args=(cfg, world_size, store.port), nprocs=world_size)""", """    import os
+    import socket
+    with socket.socket() as s:  # a port free now, bound by rank 0 once the workers have started
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    try:
+        mp.spawn(worker, args=(cfg, world_size, 0), nprocs=world_size)"""),
+        ("ddp_mp.py", """    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,""",
+         """    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,""")),
     bug("timeline-main-thread-only", "the timeline records every thread: PowerSGD starts two all-reduces on gloo's",
         ["tests/test_timeline.py::test_each_ranks_trace_holds_its_strategys_collectives"
          "[ddp_launch.py --comm-hook powersgd]"],

@@ -9,11 +9,12 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from ports import free_port
 
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel", "munged", "mungekey")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -62,10 +63,8 @@ def _sbin(name):
 
 
 def _free_port():
-    """A TCP port nothing listens on right now (the kernel's pick, so two clusters don't collide)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now, on every address (tests/ports.py: no other test or connection takes it)."""
+    return free_port(host="")
 
 
 def _mem_total_mb():

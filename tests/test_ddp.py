@@ -9,8 +9,8 @@ import time
 import pytest
 
 from scripts.plot_curves import read_metrics
-from common.ranks import free_port
-from conftest import (BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line, run_script,
+from ports import free_port
+from conftest import (BASE_ENV, CUDA_DEFAULTS, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line, run_script,
                       slice_args, torchrun_script)
 
 DDP_CHAPTERS = ["ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py"]
@@ -175,6 +175,34 @@ def test_busy_port_is_named(procs):
     assert "EADDRINUSE, message: address already in use" in err.strip().splitlines()[-1], err
 
 
+# Imported by every process this test starts: in mp.spawn's workers (spawn_main's command line), take the rendezvous
+# port before the workers go on, as another program on the machine may between a port's choice and its bind.
+PORT_THIEF = """
+import os, socket, sys
+if "--multiprocessing-fork" in sys.argv and "MASTER_PORT" in os.environ:
+    thief = socket.socket()
+    try:
+        thief.bind((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+        thief.listen()
+        print(f"took port {os.environ['MASTER_PORT']}", file=sys.stderr, flush=True)
+    except OSError:
+        thief.close()  # held already: by the chapter's store, or by the other worker's thief
+import runpy
+runpy.run_path(SUITE_SITECUSTOMIZE, run_name="sitecustomize")  # the suite's own sitecustomize, as in every test
+"""
+
+
+def test_mp_port_cannot_be_taken_while_the_workers_start(real_data, tmp_path, procs):
+    """ddp_mp.py binds its rendezvous port before it spawns: a program that takes the port meanwhile gets none.
+    (A port picked free by the parent and bound by rank 0 seconds later failed once in CI with EADDRINUSE.)"""
+    (tmp_path / "sitecustomize.py").write_text(PORT_THIEF.replace("SUITE_SITECUSTOMIZE", repr(str(CUDA_DEFAULTS / "sitecustomize.py"))))
+    env = dict(BASE_ENV, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    p = procs.start([sys.executable, "ddp_mp.py", "--nprocs", "2", *slice_args(real_data, tmp_path / "out"),
+                     "--epochs", "1", "--timeout", "30"], env=env)
+    code, out, err = procs.wait(p, timeout=120)
+    assert code == 0 and "took port" not in err and "Done!" in out, err
+
+
 def test_wrong_interface_is_named(procs):
     env = dict(BASE_ENV, GLOO_SOCKET_IFNAME="nosuch0")
     p = procs.start([sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://127.0.0.1:{free_port()}",
@@ -280,9 +308,16 @@ def test_chapters_1_and_2_mark_the_steps_they_share(script):
 
 
 def test_no_hand_built_store_on_the_default_path():
-    """The chapters meet through torch's own rendezvous for their init_method: nothing builds a TCPStore itself."""
+    """The chapters meet through torch's own rendezvous for their init_method: no rank builds a TCPStore itself.
+    ddp_mp.py is its own launcher: its parent holds the store, as torchrun's agent does
+    (test_mp_port_cannot_be_taken_while_the_workers_start)."""
     for path in [*REPO.glob("*.py"), *REPO.glob("common/*.py")]:
-        assert "TCPStore(" not in path.read_text(), path
+        source = path.read_text()
+        if path.name == "ddp_mp.py":
+            main_body = source[source.index("def main("):source.index("mp.spawn(")]
+            assert "is_master=True" in main_body and source.count("is_master=True") == 1, "one store, before spawn"
+        else:
+            assert "TCPStore(" not in source, path
 
 
 # What a reader reads with the README's diff commands: changed lines (`diff A B`'s < and > lines), each budget a
@@ -293,6 +328,7 @@ def test_no_hand_built_store_on_the_default_path():
 # checks (about 160, the stage's step: one schedule.step() with the images on the first stage, the labels on the last).
 # The DDP chapters' --comm-hook (its flag, import, one bucket for PowerSGD, registration and state passed to the
 # snapshot) is DDP's lesson and not FSDP2's: 9 more lines against chapter 1, 4 against fsdp.py, none between them.
+# Chapter 4 holds the ranks' store in its parent, bound before the workers start, as torchrun's agent does (6 lines).
 # Chapter 5 declares its four flags itself (--init-method, --rank, --world-size, --local-rank: how each process it
 # starts by hand learns who it is), and chapter 6 finds its rank 0 itself (the job's first node from `scontrol show
 # hostnames`, the port from the job id, and one line outside an srun step): each chapter's lesson, in the chapter.
@@ -302,7 +338,7 @@ def test_no_hand_built_store_on_the_default_path():
 # (`rendezvous_url`, `check_file_rendezvous`, 22 lines): code only they use, in them (issue 40: not in every DDP
 # chapter's reach). A DDP chapter's test loader takes two lines where chapter 1's takes one (collate_fn).
 DIFF_BUDGETS = {("single_gpu.py", "dataparallel.py"): 50, ("single_gpu.py", "ddp_launch.py"): 81,
-                ("ddp_launch.py", "ddp_by_hand.py"): 50, ("ddp_launch.py", "ddp_mp.py"): 60, ("ddp_launch.py", "ddp_tcp_manual.py"): 79,
+                ("ddp_launch.py", "ddp_by_hand.py"): 50, ("ddp_launch.py", "ddp_mp.py"): 66, ("ddp_launch.py", "ddp_tcp_manual.py"): 79,
                 ("ddp_launch.py", "ddp_slurm.py"): 55, ("ddp_launch.py", "fsdp.py"): 93,
                 ("fsdp.py", "tensor_parallel.py"): 165, ("ddp_launch.py", "pipeline.py"): 262}
 LESSON_CALLS = ("DistributedSampler(", "DataLoader(", "DDP(", "set_epoch(", "train_one_epoch(", "save_weights(",

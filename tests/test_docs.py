@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from common.model import NeuralNetwork
-from common.ranks import free_port
+from ports import free_port
 from conftest import BASE_ENV, REPO, TORCHRUN, fake_scontrol, make_fake_fashion_mnist, no_abort_at_exit, run_script
 from test_ddp import stale_rendezvous_file
 from test_faults import SLURM_ENV  # rank 0 of a 2-task job on localhost

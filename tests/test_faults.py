@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from scripts.plot_curves import read_metrics
-from common.ranks import free_port
+from ports import free_port
 from conftest import (BASE_ENV, TORCHRUN, load_state, max_abs_diff, no_abort_at_exit, one_error_line, run_forked_cases,
                       run_script)
 

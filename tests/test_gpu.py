@@ -20,7 +20,7 @@ import torch
 
 from dataparallel import DataParallel
 from pipeline import pipelining_missing
-from common.ranks import free_port
+from ports import free_port
 from conftest import BASE_ENV, REPO, TORCHRUN, Runs, load_state, max_abs_diff, one_error_line, run_script
 from test_faults import SLURM_ENV
 

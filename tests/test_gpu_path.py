@@ -17,7 +17,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from common.cli import UsageError
-from common.ranks import free_port
+from ports import free_port
 from common.ranks import rank_device
 from conftest import BASE_ENV, REPO, run_forked
 

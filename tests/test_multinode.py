@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from common.ranks import free_port
+from ports import free_port
 from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, slice_args
 from scripts.netns import IFNAME, NODES, TwoMachines, why_not
 from test_ddp import SAME_MODEL
