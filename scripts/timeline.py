@@ -31,6 +31,7 @@ from scripts.scaling import PROFILER_DTYPES  # noqa: E402  (the profiler's dtype
 from scripts.strategy_table import DTYPE_BYTES  # noqa: E402
 
 TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py")
+COMPUTE = ("forward", "backward", "optimizer")
 MARK = "timeline:"  # this script's own profiler ranges: timeline:start, timeline:step, timeline:forward
 COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "all_reduce": "#C44E52",
            "all_gather": "#DD8452", "reduce_scatter": "#CCB974", "send": "#64B5CD", "recv": "#8C8C8C",
@@ -74,6 +75,17 @@ def worker(chapter, out, warmup, steps, args):
 
     register_module_forward_pre_hook(enter)
     register_module_forward_hook(leave)
+
+    from torch.distributed.pipelining import PipelineStage
+
+    def chunk(kind, method):  # chapter 10: each micro-batch's forward (F2) and backward (B2) on this stage, as a range
+        def run(stage, index, *args, **kwargs):
+            with record_function(f"{MARK}{kind}{index}"):
+                return method(stage, index, *args, **kwargs)
+        return run
+
+    PipelineStage.forward_one_chunk = chunk("F", PipelineStage.forward_one_chunk)
+    PipelineStage.backward_one_chunk = chunk("B", PipelineStage.backward_one_chunk)
 
     def after_step(optimizer, *_):
         done[0] += 1
@@ -144,10 +156,15 @@ def spans(merged, ranks):
         marks = sorted(e["ts"] for e in mine if e["name"] in (MARK + "start", MARK + "step"))
         a, b = marks[0], marks[1]  # the first measured step: from the start mark to the first step's end
         inside = [e for e in mine if a <= e["ts"] < b]
+        chunks = [e for e in inside if e["name"][len(MARK):][:1] in ("F", "B") and e["name"][len(MARK) + 1:].isdigit()]
         found = []
         for e in inside:
             name, t0, t1 = e["name"], (e["ts"] - a) / 1e3, (e["ts"] + e.get("dur", 0) - a) / 1e3
-            if name == MARK + "forward" or name.endswith(".forward") and "DistributedDataParallel" in name:
+            if e in chunks:  # a pipeline stage's micro-batch: F2, B2
+                found.append(("forward" if name[len(MARK)] == "F" else "backward", t0, t1, name[len(MARK):]))
+            elif chunks and not name.startswith(("gloo:", "nccl:", "Optimizer.step#")):
+                continue  # the stage's work is its micro-batches'
+            elif name == MARK + "forward" or name.endswith(".forward") and "DistributedDataParallel" in name:
                 found.append(("forward", t0, t1, ""))
             elif name.startswith("autograd::engine::evaluate_function"):
                 found.append(("backward", t0, t1, ""))
@@ -172,7 +189,7 @@ def draw(rows, path, title):
         y = len(rows) - 1 - rank
         ends = []  # the wire's sub-lanes: a collective that starts while another runs goes below it
         for kind, t0, t1, label in sorted(found, key=lambda f: f[1]):
-            if kind in ("forward", "backward", "optimizer"):  # compute above, the wire below
+            if kind in COMPUTE:  # compute above, the wire below
                 bottom, height = y + 0.5, 0.4
             else:
                 lane = next((i for i, end in enumerate(ends) if end <= t0), len(ends))
@@ -185,8 +202,8 @@ def draw(rows, path, title):
                 ax.text(t0, bottom + height / 2, label, fontsize=7, va="center")
     ax.set_yticks([len(rows) - 1 - r + 0.5 for r in rows], [f"rank {r}" for r in rows])
     ax.set_xlabel("ms from the step's start")
-    ax.set_title(title)
-    ax.legend(loc="upper right", fontsize=8, ncol=4)
+    ax.set_title(title, pad=20)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, ncol=9, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -238,12 +255,16 @@ def main():
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
         if proc.returncode != 0:
             raise FatalError(f"{args.chapter} under the profiler failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        (out / "chapter.log").write_text(proc.stdout)  # what the chapter printed (rank 0's lines)
     merged = merge(out, ranks)
     rows = spans(merged, ranks)
     for rank, found in rows.items():  # the step in words: its collectives in order, and its compute
-        busy = {k: sum(t1 - t0 for kind, t0, t1, _ in found if kind == k) for k in ("forward", "backward", "optimizer")}
-        wire = [f"{kind} {label}" for kind, t0, t1, label in sorted(found, key=lambda f: f[1]) if label]
-        print(f"rank {rank}: {', '.join(wire) or 'no collective'}; " + ", ".join(f"{k} {v:.1f} ms" for k, v in busy.items()))
+        busy = {k: sum(t1 - t0 for kind, t0, t1, _ in found if kind == k) for k in COMPUTE}
+        in_order = sorted(found, key=lambda f: f[1])
+        chunks = " ".join(label for kind, t0, t1, label in in_order if kind in COMPUTE and label)  # a pipeline's
+        wire = [f"{kind} {label}" for kind, t0, t1, label in in_order if kind not in COMPUTE]
+        print(f"rank {rank}: {f'{chunks}; ' if chunks else ''}{', '.join(wire) or 'no collective'}; "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in busy.items()))
     png = Path(args.png or out / "step.png")
     png.parent.mkdir(parents=True, exist_ok=True)
     try:

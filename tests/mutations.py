@@ -152,6 +152,18 @@ MUTATIONS = [
         ("ddp_mp.py", """    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,""",
          """    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,""")),
+    bug("pipeline-timetable-not-gathered", "chapter 10 prints each stage's own order of work, as the trace shows it",
+        ["tests/test_timeline.py::test_pipeline_trace_follows_the_timetable_the_chapter_prints[3-stages-1f1b]"],
+        ("pipeline.py", """    dist.all_gather_object(everyone, " ".join(order))""",
+         """    everyone = [" ".join(order)] * ctx.world_size""")),
+    bug("timeline-pipeline-chunk-misnamed", "the timeline names each micro-batch's backward B, its forward F",
+        ["tests/test_timeline.py::test_pipeline_trace_follows_the_timetable_the_chapter_prints[2-stages-1f1b]"],
+        ("scripts/timeline.py", """    PipelineStage.backward_one_chunk = chunk("B", PipelineStage.backward_one_chunk)""",
+         """    PipelineStage.backward_one_chunk = chunk("F", PipelineStage.backward_one_chunk)""")),
+    bug("timeline-link-unshaped", "scripts/timeline.py --link RATE runs the two machines on a link of that rate",
+        ["tests/test_timeline.py::test_timeline_across_two_machines_waits_for_the_link"],
+        ("scripts/timeline.py", "            scaling.shape(net, scaling.RATES[args.link] and args.link)",
+         "            scaling.shape(net, None)")),
     bug("timeline-main-thread-only", "the timeline records every thread: PowerSGD starts two all-reduces on gloo's",
         ["tests/test_timeline.py::test_each_ranks_trace_holds_its_strategys_collectives"
          "[ddp_launch.py --comm-hook powersgd]"],

@@ -38,6 +38,10 @@ NOT_RUN_HERE = [
     (r"benchmark\.py --before", "needs a second checkout beside this one (a git worktree of main)"),
     (r"scripts/scaling\.py", "needs root and network namespaces, and the sweep takes minutes: tests/test_scaling.py runs "
                               "its DDP and FSDP2 rows at 100 Mbit/s and checks their numbers"),
+    (r"timeline\.py .*--link", "needs root and network namespaces: tests/test_timeline.py runs it and checks that the "
+                               "link held the all-reduces back"),
+    (r"timeline\.py (fsdp|tensor_parallel|pipeline)\.py", "tests/test_timeline.py runs these (FSDP2, tensor parallel, the "
+                                                          "pipeline at 2 and 3 stages) and checks each trace"),
 ]
 SLICE = "--train-samples 960 --test-samples 500"
 # A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).

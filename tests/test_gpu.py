@@ -38,7 +38,8 @@ DEVICE, BACKEND = ("cpu", "gloo") if DRY_RUN else ("cuda:0", "nccl")
 @pytest.fixture(autouse=True)
 def _only_the_twins_on_the_cpu(request):
     if DRY_RUN and not torch.cuda.is_available() and request.function.__name__ not in (
-            "test_each_feature_on_cuda", "test_a_resumed_run_on_cuda_is_the_uninterrupted_one"):
+            "test_each_feature_on_cuda", "test_a_resumed_run_on_cuda_is_the_uninterrupted_one",
+            "test_timeline_shows_one_step_on_the_gpu"):
         pytest.skip("TEST_GPU_ON_CPU=1 runs the twins alone")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GIVEN = os.environ.get("CUDA_VISIBLE_DEVICES")  # the GPUs this run was given: indices, UUIDs or MIG names
@@ -279,6 +280,25 @@ def test_a_resumed_run_on_cuda_is_the_uninterrupted_one(twin, real_data, tmp_pat
                               load_state(tmp_path / "resumed" / "model.pth"))
     print(f"{_twin_id(twin)}: resumed against uninterrupted, max |Δ| = {difference:.3e}")
     assert difference == 0
+
+
+def test_timeline_shows_one_step_on_the_gpu(tmp_path):
+    """scripts/timeline.py on one GPU (NCCL, one rank): the recorded step holds DDP's two buckets' all-reduces with
+    their bytes, and the GPU's own kernels, on the device's timeline, inside the step."""
+    import json
+    from test_timeline import COLLECTIVES, first_step
+    from timeline import collective_bytes
+    proc = subprocess.run([sys.executable, "scripts/timeline.py", "ddp_launch.py", "--nproc", "1", "--out",
+                           str(tmp_path)], cwd=REPO, env=BASE_ENV if DRY_RUN else ONE_GPU, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    print(proc.stdout)
+    step = first_step(json.loads((tmp_path / "trace.json").read_text())["traceEvents"], 0)
+    sent = [e for e in step if e["name"] == f"{BACKEND}:all_reduce"]
+    assert sorted(collective_bytes(e) for e in sent) == sorted(COLLECTIVES["ddp_launch.py"]["all_reduce"]), sent
+    kernels = [e["name"] for e in step if e.get("cat") == "kernel"]
+    print(f"{len(kernels)} GPU kernels in the step, e.g. {kernels[:3]}")
+    assert bool(kernels) == (not DRY_RUN), kernels
 
 
 def test_dataparallel_splits_over_every_visible_gpu(real_data, cuda_reference, tmp_path):
