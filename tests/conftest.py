@@ -124,18 +124,41 @@ QUICK = [
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: in `make test` (conftest.QUICK)")
-    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker (`make test-all`)")
+
+
+# The tests of a SLURM cluster (those that use the slurm or two_nodes fixture): `make test-all` runs them on one worker.
+SLURM_TESTS = ("tests/test_slurm.py", "tests/test_slurm_requeue.py", "tests/test_slurm_cluster.py",
+               "tests/test_preflight_slurm.py", "tests/test_training_flags.py::test_16_bits_under_srun")
+
+
+def group_of(nodeid):
+    """The worker group of a test: every SLURM test in one, so one local cluster runs at a time; else its module, so
+    a module's module-wide runs are made once."""
+    return "slurm" if nodeid.startswith(SLURM_TESTS) else nodeid.split("::")[0]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test-all`'s two workers (pytest -n 2 --dist loadgroup) take whole groups (group_of). xdist's own loadgroup
+    reads the groups from marks it writes into each test's id, which pytest 9.2 no longer takes (pytest-xdist#1386):
+    every test was then scheduled alone, and a module's fixtures ran on both workers."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests QUICK names (every entry must name a test that exists), and group the tests for `make test-all`'s
-    two workers (pytest -n 2 --dist loadgroup): a module's tests together, so its module-wide runs are made once, and
-    every test of a SLURM cluster in one group, so one local cluster runs at a time."""
+    """Mark the tests QUICK names (every entry must name a test that exists); check that SLURM_TESTS holds every test
+    of a SLURM cluster."""
     unused = set(QUICK)
     for item in items:
-        clusters = {"slurm", "two_nodes"} & set(getattr(item, "fixturenames", ()))  # one- and two-node SLURM
-        group = "slurm" if clusters else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        if {"slurm", "two_nodes"} & set(getattr(item, "fixturenames", ())) and group_of(item.nodeid) != "slurm":
+            raise pytest.UsageError(f"{item.nodeid} starts a SLURM cluster: add it to conftest.SLURM_TESTS")
         for entry in QUICK:
             if item.nodeid.startswith(entry):
                 item.add_marker(pytest.mark.quick)
