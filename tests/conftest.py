@@ -137,6 +137,7 @@ def group_of(nodeid):
     return "slurm" if nodeid.startswith(SLURM_TESTS) else nodeid.split("::")[0]
 
 
+@pytest.hookimpl(optionalhook=True)  # a known hook only where pytest-xdist is installed
 def pytest_xdist_make_scheduler(config, log):
     """`make test-all`'s two workers (pytest -n 2 --dist loadgroup) take whole groups (group_of). xdist's own loadgroup
     reads the groups from marks it writes into each test's id, which pytest 9.2 no longer takes (pytest-xdist#1386):
