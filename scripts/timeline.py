@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from scripts.strategy_table import DTYPE_BYTES  # noqa: E402
 TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py")
 COMPUTE = ("forward", "backward", "optimizer")
 MARK = "timeline:"  # this script's own profiler ranges: timeline:start, timeline:step, timeline:forward
+CHUNK = re.compile(re.escape(MARK) + r"([FB])(\d+)$")  # and a pipeline stage's micro-batches: timeline:F2, timeline:B2
 COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "all_reduce": "#C44E52",
            "all_gather": "#DD8452", "reduce_scatter": "#CCB974", "send": "#64B5CD", "recv": "#8C8C8C",
            "broadcast": "#937860"}
@@ -156,13 +158,14 @@ def spans(merged, ranks):
         marks = sorted(e["ts"] for e in mine if e["name"] in (MARK + "start", MARK + "step"))
         a, b = marks[0], marks[1]  # the first measured step: from the start mark to the first step's end
         inside = [e for e in mine if a <= e["ts"] < b]
-        chunks = [e for e in inside if e["name"][len(MARK):][:1] in ("F", "B") and e["name"][len(MARK) + 1:].isdigit()]
+        chunked = any(CHUNK.match(e["name"]) for e in inside)  # a pipeline stage
         found = []
         for e in inside:
             name, t0, t1 = e["name"], (e["ts"] - a) / 1e3, (e["ts"] + e.get("dur", 0) - a) / 1e3
-            if e in chunks:  # a pipeline stage's micro-batch: F2, B2
-                found.append(("forward" if name[len(MARK)] == "F" else "backward", t0, t1, name[len(MARK):]))
-            elif chunks and not name.startswith(("gloo:", "nccl:", "Optimizer.step#")):
+            chunk = CHUNK.match(name)
+            if chunk:  # a pipeline stage's micro-batch: F2, B2
+                found.append(("forward" if chunk[1] == "F" else "backward", t0, t1, chunk[1] + chunk[2]))
+            elif chunked and not name.startswith(("gloo:", "nccl:", "Optimizer.step#")):
                 continue  # the stage's work is its micro-batches'
             elif name == MARK + "forward" or name.endswith(".forward") and "DistributedDataParallel" in name:
                 found.append(("forward", t0, t1, ""))
