@@ -1,4 +1,4 @@
-"""See one step: what each rank computed and sent, and when, measured by torch's profiler on every rank.
+"""See a few steps: what each rank computed, sent and waited for, and when, measured by torch's profiler on every rank.
 
     python scripts/timeline.py ddp_launch.py                          # DDP, 2 ranks on this machine (loopback)
     python scripts/timeline.py ddp_launch.py --link 100mbit           # one rank on each of two machines (as root)
@@ -7,12 +7,17 @@
 
 It runs the chapter unchanged under torchrun for a few optimizer steps (the chapter gains no profiling line: this
 script's worker wraps it), records every rank with torch's profiler on every thread (gloo runs its collectives on
-threads of its own), and writes into --out:
-    rank<N>.json   each rank's own trace (Chrome's trace format)
-    trace.json     every rank in one trace, a process row per rank, aligned at the barrier the ranks left together;
-                   Perfetto (ui.perfetto.dev) and chrome://tracing open it
-    step.png       one step drawn: a row per rank, forward, backward, optimizer and each collective in its colour,
-                   the collective's bytes in its label (needs matplotlib)
+threads of its own), and chapter 1 alone as the baseline, and writes into --out:
+    rank<N>.json   each rank's own trace (Chrome's trace format), on its own clock
+    trace.json     every rank in one trace on rank 0's clock, a process row per rank; Perfetto (ui.perfetto.dev) and
+                   chrome://tracing open it
+    step.png       the median recorded step drawn: a row per rank and one for chapter 1, compute above (waiting on the
+                   wire hatched), each collective below with its bytes, each rank's compute, waiting and idle shares
+One clock: each rank's clock offset from rank 0's is measured inside the recording (rank 0 bounces a tensor off each
+rank 20 times; the fastest round gives the offset, and half its round trip bounds the error), so ranks on different
+machines line up too. A collective's bar ends when the rank went on with its result (its thread stopped waiting), or,
+if nothing waited for it, when the backend closed it: gloo's worker thread closes its range only after it has woken
+the waiting thread, and on a CPU with more busy threads than cores that can come milliseconds later (drawn paler).
 """
 import argparse
 import json
@@ -20,6 +25,7 @@ import math
 import os
 import re
 import runpy
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,16 +38,46 @@ from scripts.scaling import PROFILER_DTYPES  # noqa: E402  (the profiler's dtype
 from scripts.strategy_table import DTYPE_BYTES  # noqa: E402
 
 TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py")
+BASELINE = "single_gpu.py"
 COMPUTE = ("forward", "backward", "optimizer")
 MARK = "timeline:"  # this script's own profiler ranges: timeline:start, timeline:step, timeline:forward
 CHUNK = re.compile(re.escape(MARK) + r"([FB])(\d+)$")  # and a pipeline stage's micro-batches: timeline:F2, timeline:B2
+CLOCK = re.compile(re.escape(MARK) + r"clock (\d+) (\d+) (send|got|back)$")  # the bounced tensor's marks
+ROUNDS = 20  # bounces per rank: the fastest one's round trip bounds the clock offset's error
+WAIT_MS = 0.2  # a gap this long in a rank's main thread while a collective is in flight is waiting on it
+# The legend's order, the same in every picture (a kind absent from one is left out of its legend)
 COLOURS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "all_reduce": "#C44E52",
-           "all_gather": "#DD8452", "reduce_scatter": "#CCB974", "send": "#64B5CD", "recv": "#8C8C8C",
-           "broadcast": "#937860"}
+           "all_gather": "#DD8452", "reduce_scatter": "#CCB974", "broadcast": "#937860", "send": "#64B5CD",
+           "recv": "#8C8C8C"}
 
 
 # --- Inside each rank: the chapter, run unchanged, profiled from step WARMUP to WARMUP + steps ---
 
+def clock_marks():
+    """Rank 0 bounces a tensor off each other rank ROUNDS times and marks, on the profiler's clock, when it left and
+    came back; the other rank marks when it arrived. merge() reads each rank's clock offset from them."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import record_function
+
+    group, rank, t = CLOCK_GROUP[0], dist.get_rank(), torch.zeros(1)  # gloo: CPU tensors on any backend
+    for peer in range(1, dist.get_world_size()):
+        for i in range(ROUNDS):
+            if rank == 0:
+                with record_function(f"{MARK}clock {peer} {i} send"):
+                    pass
+                dist.send(t, peer, group=group)
+                dist.recv(t, peer, group=group)
+                with record_function(f"{MARK}clock {peer} {i} back"):
+                    pass
+            elif rank == peer:
+                dist.recv(t, 0, group=group)
+                with record_function(f"{MARK}clock {peer} {i} got"):
+                    pass
+                dist.send(t, 0, group=group)
+
+
+CLOCK_GROUP = [None]
 def worker(chapter, out, warmup, steps, args):
     """Run chapter with args in this process; write out/rank<RANK>.json, the profiler's trace of the chosen steps."""
     import torch
@@ -93,8 +129,11 @@ def worker(chapter, out, warmup, steps, args):
         done[0] += 1
         if done[0] == warmup:
             if dist.is_initialized():
-                dist.barrier()  # the ranks leave it together: the merged trace aligns them here
+                CLOCK_GROUP[0] = dist.new_group(backend="gloo")  # made before the recording starts
             profiler.start()
+            if dist.is_initialized():
+                clock_marks()
+                dist.barrier()
             with record_function(MARK + "start"):
                 pass
         elif warmup < done[0] <= warmup + steps:
@@ -120,26 +159,42 @@ def worker(chapter, out, warmup, steps, args):
     runpy.run_path(str(REPO / chapter), run_name="__main__")
 
 
-# --- The driver: start the ranks, merge their traces, draw a step ---
+# --- The driver: start the ranks, put their traces on one clock, find the steps, draw the median one ---
+
+def clock_offsets(traces):
+    """Per rank, (its clock minus rank 0's, the error's bound) in µs, from the fastest of the bounced tensor's rounds:
+    it arrived at the rank's `got` halfway through rank 0's round trip, to within half that round trip."""
+    marks = [{m.groups(): e["ts"] for e in events if (m := CLOCK.match(e.get("name", "")))} for events in traces]
+    offsets = [(0.0, 0.0)]
+    for peer in range(1, len(traces)):
+        rounds = []
+        for i in map(str, range(ROUNDS)):
+            sent, back = marks[0][str(peer), i, "send"], marks[0][str(peer), i, "back"]
+            rounds.append((back - sent, marks[peer][str(peer), i, "got"] - (sent + back) / 2))
+        trip, offset = min(rounds)
+        offsets.append((offset, trip / 2))
+    return offsets
+
 
 def merge(out, ranks):
-    """Every rank's trace in one: pid = rank, its time shifted so that 0 is where the ranks left the barrier."""
+    """Every rank's trace in one, pid = rank, on rank 0's clock: 0 is where rank 0's recording starts."""
+    traces = [json.loads((out / f"rank{rank}.json").read_text())["traceEvents"] for rank in range(ranks)]
+    offsets = clock_offsets(traces)
+    zero = min(e["ts"] for e in traces[0] if e.get("name") == MARK + "start")
     merged = []
-    for rank in range(ranks):
-        events = json.loads((out / f"rank{rank}.json").read_text())["traceEvents"]
-        start = min(e["ts"] for e in events if e.get("name") == MARK + "start")
+    for rank, events in enumerate(traces):
         for e in events:
             if "ts" in e:
-                e = dict(e, ts=e["ts"] - start)
+                e = dict(e, ts=e["ts"] - offsets[rank][0] - zero)
             merged.append(dict(e, pid=rank) if "pid" in e else e)
         merged.append(dict(ph="M", name="process_name", pid=rank, args=dict(name=f"rank {rank}")))
         merged.append(dict(ph="M", name="process_sort_index", pid=rank, args=dict(sort_index=rank)))
     (out / "trace.json").write_text(json.dumps(dict(traceEvents=merged)))
-    return merged
+    return merged, offsets
 
 
 def collective_bytes(event):
-    """The bytes of a gloo collective's input, from the profiler's recorded shapes and dtypes."""
+    """The bytes of a collective's input, from the profiler's recorded shapes and dtypes."""
     args = event.get("args", {})
     dims, types = args.get("Input Dims") or [[]], args.get("Input type") or ["float"]
     return math.prod(dims[0] or [0]) * DTYPE_BYTES[PROFILER_DTYPES.get(types[0], "Float")]
@@ -150,65 +205,253 @@ def size_text(n):
     return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB" if n < 10 * 1024 else f"{n / 1024:,.0f} KiB"
 
 
-def spans(merged, ranks):
-    """Per rank, the first measured step's (kind, start, end, label) spans, in ms from the step's start."""
-    rows = {}
-    for rank in range(ranks):
-        mine = [e for e in merged if e.get("pid") == rank and e.get("ph") == "X"]
-        marks = sorted(e["ts"] for e in mine if e["name"] in (MARK + "start", MARK + "step"))
-        a, b = marks[0], marks[1]  # the first measured step: from the start mark to the first step's end
-        inside = [e for e in mine if a <= e["ts"] < b]
-        chunked = any(CHUNK.match(e["name"]) for e in inside)  # a pipeline stage
-        found = []
-        for e in inside:
-            name, t0, t1 = e["name"], (e["ts"] - a) / 1e3, (e["ts"] + e.get("dur", 0) - a) / 1e3
-            chunk = CHUNK.match(name)
-            if chunk:  # a pipeline stage's micro-batch: F2, B2
-                found.append(("forward" if chunk[1] == "F" else "backward", t0, t1, chunk[1] + chunk[2]))
-            elif chunked and not name.startswith(("gloo:", "nccl:", "Optimizer.step#")):
-                continue  # the stage's work is its micro-batches'
-            elif name == MARK + "forward" or name.endswith(".forward") and "DistributedDataParallel" in name:
-                found.append(("forward", t0, t1, ""))
-            elif name.startswith("autograd::engine::evaluate_function"):
-                found.append(("backward", t0, t1, ""))
-            elif name.startswith("Optimizer.step#"):
-                found.append(("optimizer", t0, t1, ""))
-            elif name.startswith("gloo:") or name.startswith("nccl:"):
-                kind = name.split(":", 1)[1]
-                found.append((kind, t0, t1, size_text(collective_bytes(e))))
-        rows[rank] = found
-    return rows
+def windows(merged, rank):
+    """The rank's recorded steps as (start, end) in µs: from the start mark to each step's end mark."""
+    marks = sorted(e["ts"] for e in merged if e.get("pid") == rank and e.get("ph") == "X"
+                   and e["name"] in (MARK + "start", MARK + "step"))
+    return list(zip(marks, marks[1:]))
 
 
-def draw(rows, path, title):
-    """step.png: a row per rank, each span in its kind's colour, collectives labelled with their bytes."""
+def is_collective(e):
+    """A collective's own range: gloo's or NCCL's CPU-side op, not the copy CUDA traces hold of it on the GPU's row."""
+    return e["name"].startswith(("gloo:", "nccl:")) and e.get("cat") != "gpu_user_annotation"
+
+
+def gpu_kernels(mine, e):
+    """The GPU kernels the CPU-side event e launched (cudaLaunchKernel inside it, the kernel by its correlation)."""
+    launched = {x["args"].get("correlation") for x in mine if x.get("cat") == "cuda_runtime"
+                and e["ts"] <= x["ts"] <= e["ts"] + e.get("dur", 0)}
+    return [x for x in mine if x.get("cat") == "kernel" and x["args"].get("correlation") in launched]
+
+
+def leaf_gaps(main, a, b):
+    """The gaps in [a, b] between the main thread's innermost ops, its explicit waits and a send's or receive's
+    range (gloo's on the thread that waits for it) counting as gaps: (start, end)."""
+    ops = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in main if not e["name"].startswith(MARK)
+                 and "wait" not in e["name"].lower() and not is_collective(e))
+    leaves = [(s, t) for i, (s, t) in enumerate(ops) if not any(s <= s2 and t2 <= t and (s2, t2) != (s, t)
+                                                                for s2, t2 in ops[i + 1:i + 40])]
+    gaps, reach = [], a
+    for s, t in leaves:
+        if s > reach:
+            gaps.append((reach, min(s, b)))
+        reach = max(reach, t)
+        if reach >= b:
+            break
+    if reach < b:
+        gaps.append((reach, b))
+    return [(s, t) for s, t in gaps if t > s]
+
+
+def step_events(merged, rank, window):
+    """One rank's step on the common clock (µs): compute [kind, start, end, label], wire [kind, start, end, label,
+    drawn end, bytes, on a thread of the backend's own], and the gaps in its main thread."""
+    a, b = window
+    mine = [e for e in merged if e.get("pid") == rank and e.get("ph") == "X"]
+    inside = sorted((e for e in mine if a <= e["ts"] < b), key=lambda e: e["ts"])
+    main_tid = next(e["tid"] for e in mine if e["name"] == MARK + "start")
+    chunked = any(CHUNK.match(e["name"]) for e in inside)  # a pipeline stage
+    kernels = [e for e in inside if e.get("cat") == "kernel"]
+    found, wire = [], []
+    for e in inside:
+        name, t0, t1 = e["name"], e["ts"], e["ts"] + e.get("dur", 0)
+        chunk = CHUNK.match(name)
+        if chunk:  # a pipeline stage's micro-batch: F2, B2
+            found.append(["forward" if chunk[1] == "F" else "backward", t0, t1, chunk[1] + chunk[2]])
+        elif chunked and not (is_collective(e) or name.startswith("Optimizer.step#")):
+            continue  # the stage's work is its micro-batches'
+        elif name == MARK + "forward" or name.endswith(".forward") and "DistributedDataParallel" in name:
+            found.append(["forward", t0, t1, ""])
+        elif name.startswith("autograd::engine::evaluate_function"):
+            found.append(["backward", t0, t1, ""])
+        elif name.startswith("Optimizer.step#"):
+            found.append(["optimizer", t0, t1, ""])
+        elif is_collective(e):
+            on_gpu = gpu_kernels(mine, e) if kernels else []
+            if on_gpu:  # NCCL: the wire is the kernel's time on the GPU, not its launch on the CPU
+                t0, t1 = min(k["ts"] for k in on_gpu), max(k["ts"] + k.get("dur", 0) for k in on_gpu)
+            nbytes = collective_bytes(e)
+            wire.append([name.split(":", 1)[1], t0, t1, size_text(nbytes), t1, nbytes, e["tid"] != main_tid])
+    if kernels:  # a GPU rank: its compute as the GPU ran it, each kernel in the phase that launched it
+        phases = [(k, t0, t1) for k, t0, t1, label in found if not label]
+        launch = {x["args"].get("correlation"): x["ts"] for x in mine if x.get("cat") == "cuda_runtime"}
+        found = [f for f in found if f[3]]  # a pipeline's micro-batches stay as the CPU ran them
+        for k in kernels:
+            at = launch.get(k["args"].get("correlation"), k["ts"])
+            kind = next((p for p, t0, t1 in phases if t0 <= at <= t1), None)
+            if kind and not k["name"].startswith(("ncclDevKernel", "ncclKernel")):
+                found.append([kind, k["ts"], k["ts"] + k.get("dur", 0), ""])
+        return found, wire, []
+    return found, wire, leaf_gaps([e for e in inside if e["tid"] == main_tid], a, b)
+
+
+def waiting(wire, gaps, everyone_started):
+    """The gaps in which the rank's main thread stood still while a collective was in flight: it waited on the wire.
+    When one ends, the collective it waited for (the earliest started still open) was done, unless that is before
+    every rank had started it (impossible): its drawn end moves there, where the backend's thread had not yet closed
+    it."""
+    waits = []
+    for s, t in gaps:
+        flying = sorted((w for w in wire if w[1] <= s < w[2]), key=lambda w: w[1])
+        if t - s < WAIT_MS * 1e3 or not flying:
+            continue
+        waits.append((s, t))
+        late = next((w for w in flying if w[4] > t), None)  # collectives are waited for in the order they started
+        if late and late[6] and t >= everyone_started[id(late)]:
+            late[4] = t
+    return waits
+
+
+def stepped_with(found, wire, everyone_started):
+    """backward() returns only when every gradient reduction it started is done (DDP's and FSDP2's last hook waits
+    for them), so one started before the optimizer step was done when the step began: its drawn end goes no later."""
+    step = min((t0 for kind, t0, t1, label in found if kind == "optimizer"), default=None)
+    for w in wire:
+        if step and w[6] and w[0] in ("all_reduce", "reduce_scatter") and w[1] < step < w[4] \
+                and step >= everyone_started[id(w)]:
+            w[4] = step
+
+
+def step_spans(events, origin):
+    """Spans (kind, start, end, label, drawn end) in ms from origin, for the picture and the numbers."""
+    ms = lambda t: (t - origin) / 1e3
+    found, wire = events
+    return ([(k, ms(t0), ms(t1), label, ms(t1)) for k, t0, t1, label in found]
+            + [(k, ms(t0), ms(t1), label, ms(used)) for k, t0, t1, label, used, *_ in wire])
+
+
+def started_everywhere(steps):
+    """For each collective of each rank (by id), the latest start of the same one (its kind's n-th) on any rank."""
+    latest, count = {}, {}
+    for found, wire, gaps in steps:
+        seen = {}
+        for w in sorted(wire, key=lambda w: w[1]):
+            key = (w[0], seen.setdefault(w[0], 0))
+            seen[w[0]] += 1
+            latest[key] = max(latest.get(key, -math.inf), w[1])
+            count[id(w)] = key
+    return {i: latest[key] for i, key in count.items()}
+
+
+def union_ms(intervals, start=-math.inf, end=math.inf):
+    """The length of [start, end] covered by at least one of the (a, b) intervals."""
+    covered, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered
+
+
+def shares(spans, waits, start, end):
+    """A rank's step [start, end] in parts: compute, waiting on the wire (exposed communication), idle (neither)."""
+    compute = [(t0, t1) for kind, t0, t1, *_ in spans if kind in COMPUTE]
+    if not waits:  # a GPU rank (or one that never waited): the wire's time with no compute of its own beside it
+        wire = [(t0, used) for kind, t0, t1, label, used in spans if kind not in COMPUTE]
+        waits = [(a, b) for a, b in wire if union_ms(compute, a, b) < b - a]  # partly exposed: counted below
+        exposed = union_ms(compute + waits, start, end) - union_ms(compute, start, end)
+    else:
+        exposed = union_ms(waits, start, end)
+    busy = union_ms(compute + waits, start, end)
+    length = end - start
+    return dict(compute=(busy - exposed) / length, wire=exposed / length, idle=1 - busy / length)
+
+
+def pipeline_text(rows, lengths, schedule_ranks):
+    """The pipeline's idle time against its schedule's bubble: (S-1)/(M+S-1) of the step, in theory."""
+    micro = max((int(label[1:]) + 1 for spans in rows.values() for kind, _, _, label, _ in spans if label[:1] == "F"),
+                default=0)
+    if not micro:
+        return []
+    stages = schedule_ranks
+    lines = [f"pipeline: {stages} stages x {micro} micro-batches: the schedule's bubble alone leaves each stage idle "
+             f"{(stages - 1) / (micro + stages - 1):.0%} of a step"]
+    for rank, spans in rows.items():
+        chunks = sorted((t0, label) for kind, t0, t1, label, _ in spans if label[:1] in ("F", "B"))
+        held = peak = 0
+        for _, label in chunks:  # a micro-batch's activations are held from its forward to its backward
+            held += 1 if label[0] == "F" else -1
+            peak = max(peak, held)
+        busy = union_ms([(t0, t1) for kind, t0, t1, label, _ in spans if label[:1] in ("F", "B")])
+        p2p = [used - t0 for kind, t0, t1, label, used in spans if kind in ("send", "recv")]
+        length = lengths[f"rank {rank}"]
+        lines.append(f"  stage {rank}: idle {1 - busy / length:.0%} of its {length:.1f} ms; "
+                     f"{len(p2p)} sends/receives of {statistics.mean(p2p) if p2p else 0:.2f} ms each (mean); "
+                     f"activations held for up to {peak} micro-batches")
+    return lines
+
+
+def draw(rows, waits, ends, numbers, path, title):
+    """step.png: a row per rank (and chapter 1's), compute above with its waiting hatched, the wire below with bytes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(figsize=(12, 1 + 1.1 * len(rows)))
-    seen = set()
-    for rank, found in rows.items():
-        y = len(rows) - 1 - rank
-        ends = []  # the wire's sub-lanes: a collective that starts while another runs goes below it
-        for kind, t0, t1, label in sorted(found, key=lambda f: f[1]):
-            if kind in COMPUTE:  # compute above, the wire below
-                bottom, height = y + 0.5, 0.4
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 1.15 * len(rows)))
+    span = max([t1 for spans in rows.values() for _, _, t1, *_ in spans] + list(ends.values()))
+    char = span * 0.0058  # about one label character's width at fontsize 7, in ms
+    present = set()
+    for i, name in enumerate(rows):
+        y = len(rows) - 1 - i
+        lanes, label_ends = [], {}  # the wire's sub-lanes (a collective that starts while another runs goes below)
+        for kind, t0, t1, label, used in sorted(rows[name], key=lambda f: f[1]):
+            present.add(kind)
+            colour = COLOURS.get(kind, "#333333")
+            if kind in COMPUTE:
+                bottom, height, lane = y + 0.5, 0.4, None
             else:
-                lane = next((i for i, end in enumerate(ends) if end <= t0), len(ends))
-                ends[lane:lane + 1] = [t1]
+                lane = next((j for j, end in enumerate(lanes) if end <= t0), len(lanes))
+                lanes[lane:lane + 1] = [t1]
                 bottom, height = y + 0.45 - 0.15 * (lane + 1), 0.13
-            ax.broken_barh([(t0, max(t1 - t0, 0.02))], (bottom, height), color=COLOURS.get(kind, "#333333"),
-                           label=None if kind in seen else kind)
-            seen.add(kind)
-            if label:
-                ax.text(t0, bottom + height / 2, label, fontsize=7, va="center")
-    ax.set_yticks([len(rows) - 1 - r + 0.5 for r in rows], [f"rank {r}" for r in rows])
-    ax.set_xlabel("ms from the step's start")
-    ax.set_title(title, pad=20)
-    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, ncol=9, frameon=False)
+            ax.broken_barh([(t0, max(used - t0, span / 2000))], (bottom, height), color=colour)
+            if used < t1:  # after the rank went on with the result: the backend's thread still closing its range
+                ax.broken_barh([(used, t1 - used)], (bottom, height), color=colour, alpha=0.3)
+            if label and label_ends.get(lane, -math.inf) <= t0:  # a label that would run into the last is left out
+                ax.text(t0, bottom + height / 2, label, fontsize=7, va="center", clip_on=True)
+                label_ends[lane] = t0 + char * (len(label) + 1)
+        for s, t in waits[name]:
+            ax.broken_barh([(s, t - s)], (y + 0.5, 0.4), facecolor="none", edgecolor="#222222", hatch="////",
+                           linewidth=0)
+        ax.plot([ends[name]] * 2, [y + 0.02, y + 0.98], ls="--", lw=0.8, color="#222222")
+    ax.set_yticks([len(rows) - 1 - i + 0.5 for i in range(len(rows))],
+                  [f"{name}\n{numbers[name]}" for name in rows], fontsize=8)
+    ax.set_xlabel("ms from the step's start (one clock for every rank)")
+    ax.set_title(title, pad=34, fontsize=10)
+    handles = [Patch(color=COLOURS[k], label=k) for k in COLOURS if k in present]
+    handles += [Patch(facecolor="white", edgecolor="#222222", hatch="////", label="waiting on the wire"),
+                Patch(color="#C44E52", alpha=0.3, label="after the rank went on"),
+                Line2D([], [], ls="--", lw=0.8, color="#222222", label="the rank's step ends")]
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, ncol=6, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def record(args, out, ranks, worker_cmd):
+    """Run the chapter's ranks under the profiler (on loopback or across the two machines): their traces in out."""
+    if args.link:
+        from scripts import scaling
+        with scaling.two_machines("reno") as net:
+            scaling.shape(net, scaling.RATES[args.link] and args.link)
+            procs = scaling.torchrun_on_two(net, worker_cmd)
+            scaling.wait_for(procs, f"{args.chapter} at {args.link}")
+        return
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), *worker_cmd], cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    if proc.returncode != 0:
+        raise FatalError(f"{args.chapter} under the profiler failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    (out / "chapter.log").write_text(proc.stdout)  # what the chapter printed (rank 0's lines)
+
+
+def median_step(merged, ranks):
+    """The recorded step of median length (first rank's start to last rank's end): its index, and its windows."""
+    steps = list(zip(*(windows(merged, rank) for rank in range(ranks))))
+    length = [max(b for a, b in w) - min(a for a, b in w) for w in steps]
+    k = sorted(range(len(steps)), key=length.__getitem__)[(len(steps) - 1) // 2]
+    return k, steps[k]
 
 
 def main():
@@ -227,7 +470,8 @@ def main():
     p.add_argument("--link", metavar="RATE", help="instead: one rank on each of two machines joined by a link of RATE "
                                                   "(10mbit, 100mbit, 1gbit, unlimited; needs root)")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps before the recording (default 3)")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps recorded (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps recorded; the median one is drawn (default 5)")
+    p.add_argument("--no-baseline", action="store_true", help="leave out chapter 1's step (one process, same batch)")
     p.add_argument("--out", default="runs/timeline", help="folder for the traces and step.png (default runs/timeline)")
     p.add_argument("--png", help="where to draw the step (default OUT/step.png)")
     argv = sys.argv[1:]  # the chapter's own flags: after --, or any this script does not know
@@ -237,42 +481,65 @@ def main():
     if args.chapter not in TORCHRUN_CHAPTERS:
         raise UsageError(f"{args.chapter}: the timeline runs the chapters torchrun starts ({', '.join(TORCHRUN_CHAPTERS)})")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("rank*.json"):
+    (out / "baseline").mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("rank*.json"), *out.glob("baseline/rank*.json")]:
         old.unlink()
     steps = args.warmup + args.steps
-    flags = ["--epochs", "1", "--log-every", "100000", "--test-samples", "1000", "--train-samples",
-             str(steps * 64), "--output", str(out / "run"), *args.flags]  # the chapter's defaults: batch 64
-    worker_cmd = [str(Path(__file__).resolve()), "--worker", args.chapter, "--out", str(out.resolve()), "--warmup",
-                  str(args.warmup), "--steps", str(args.steps), "--", *flags]
+    common = ["--epochs", "1", "--log-every", "100000", "--test-samples", "1000", "--train-samples",
+              str(steps * 64)]  # the chapters' default batch: 64
+    command = lambda chapter, folder, flags: [
+        str(Path(__file__).resolve()), "--worker", chapter, "--out", str(folder.resolve()), "--warmup",
+        str(args.warmup), "--steps", str(args.steps), "--", *common, "--output", str(folder / "run"), *flags]
     ranks = 2 if args.link else args.nproc
-    if args.link:
-        from scripts import scaling
-        with scaling.two_machines("reno") as net:
-            scaling.shape(net, scaling.RATES[args.link] and args.link)
-            procs = scaling.torchrun_on_two(net, worker_cmd)
-            scaling.wait_for(procs, f"{args.chapter} at {args.link}")
-    else:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(ranks), *worker_cmd], cwd=REPO, capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+    record(args, out, ranks, command(args.chapter, out, args.flags))
+    merged, offsets = merge(out, ranks)
+    k, step = median_step(merged, ranks)
+    origin = min(a for a, b in step)
+    rows, waits, ends, numbers, lengths = {}, {}, {}, {}, {}
+    steps = [step_events(merged, rank, step[rank]) for rank in range(ranks)]
+    everyone_started = started_everywhere(steps)
+    for rank, (found, wire, gaps) in enumerate(steps):
+        name = f"rank {rank}"
+        waits[name] = [((s - origin) / 1e3, (t - origin) / 1e3) for s, t in waiting(wire, gaps, everyone_started)]
+        stepped_with(found, wire, everyone_started)
+        rows[name] = step_spans((found, wire), origin)
+        ends[name] = (step[rank][1] - origin) / 1e3
+        lengths[name] = (step[rank][1] - step[rank][0]) / 1e3
+    if not args.no_baseline:  # chapter 1 alone on the same global batch, its median step from its own start
+        proc = subprocess.run([sys.executable, *command(BASELINE, out / "baseline", [])], cwd=REPO, capture_output=True,
+                              text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
         if proc.returncode != 0:
-            raise FatalError(f"{args.chapter} under the profiler failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        (out / "chapter.log").write_text(proc.stdout)  # what the chapter printed (rank 0's lines)
-    merged = merge(out, ranks)
-    rows = spans(merged, ranks)
-    for rank, found in rows.items():  # the step in words: its collectives in order, and its compute
-        busy = {k: sum(t1 - t0 for kind, t0, t1, _ in found if kind == k) for k in COMPUTE}
-        in_order = sorted(found, key=lambda f: f[1])
-        chunks = " ".join(label for kind, t0, t1, label in in_order if kind in COMPUTE and label)  # a pipeline's
-        wire = [f"{kind} {label}" for kind, t0, t1, label in in_order if kind not in COMPUTE]
-        print(f"rank {rank}: {f'{chunks}; ' if chunks else ''}{', '.join(wire) or 'no collective'}; "
-              + ", ".join(f"{k} {v:.1f} ms" for k, v in busy.items()))
+            raise FatalError(f"{BASELINE} under the profiler failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        alone = json.loads((out / "baseline" / "rank0.json").read_text())["traceEvents"]
+        alone = [dict(e, pid=0) for e in alone if "ts" in e]
+        steps_alone = windows(alone, 0)
+        window = sorted(steps_alone, key=lambda w: w[1] - w[0])[(len(steps_alone) - 1) // 2]
+        found, wire, gaps = step_events(alone, 0, window)
+        rows["chapter 1"], waits["chapter 1"] = step_spans((found, wire), window[0]), []
+        ends["chapter 1"] = lengths["chapter 1"] = (window[1] - window[0]) / 1e3
+    print(f"clock: rank 0's; " + ", ".join(f"rank {r} {o / 1e3:+.3f} ms (± {e / 1e3:.3f})"
+                                          for r, (o, e) in enumerate(offsets) if r) + " from it, measured")
+    print(f"step {k + 1} of {args.steps} drawn (the median by length)")
+    for name, spans in rows.items():  # the step in words: its collectives in order, its compute, its shares
+        length = lengths[name]
+        part = shares(spans, waits[name], ends[name] - length, ends[name])
+        numbers[name] = " ".join(f"{key} {value:.0%}" for key, value in part.items())
+        busy = {c: sum(t1 - t0 for kind, t0, t1, *_ in spans if kind == c) for c in COMPUTE}
+        in_order = sorted(spans, key=lambda f: f[1])
+        chunks = " ".join(label for kind, t0, t1, label, _ in in_order if kind in COMPUTE and label)  # a pipeline's
+        wire = [f"{kind} {label}" for kind, t0, t1, label, _ in in_order if kind not in COMPUTE]
+        print(f"{name}: {f'{chunks}; ' if chunks else ''}{', '.join(wire) or 'no collective'}; "
+              + ", ".join(f"{c} {v:.1f} ms" for c, v in busy.items()) + f"; {length:.1f} ms: {numbers[name]}")
+    for line in pipeline_text({r: rows[f"rank {r}"] for r in range(ranks)}, lengths, ranks):
+        print(line)
+    (out / "step.json").write_text(json.dumps(dict(  # what the picture shows, as numbers
+        step=k, offsets=offsets, rows={name: dict(spans=rows[name], waits=waits[name], end=ends[name],
+                                                   length=lengths[name], numbers=numbers[name]) for name in rows})))
     png = Path(args.png or out / "step.png")
     png.parent.mkdir(parents=True, exist_ok=True)
     try:
-        draw(rows, png, f"{' '.join([args.chapter, *args.flags])}, {ranks} ranks"
-             f"{f', {args.link}' if args.link else ', loopback'}: one step")
+        draw(rows, waits, ends, numbers, png, f"{' '.join([args.chapter, *args.flags])}, {ranks} ranks"
+             f"{f', {args.link}' if args.link else ', loopback'}: step {k + 1} of {args.steps}, the median")
         print(f"Wrote {out / 'trace.json'} and {png}")
     except ImportError:
         print(f"Wrote {out / 'trace.json'} (no matplotlib: no step.png)")

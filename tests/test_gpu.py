@@ -283,22 +283,29 @@ def test_a_resumed_run_on_cuda_is_the_uninterrupted_one(twin, real_data, tmp_pat
 
 
 def test_timeline_shows_one_step_on_the_gpu(tmp_path):
-    """scripts/timeline.py on one GPU (NCCL, one rank): the recorded step holds DDP's two buckets' all-reduces with
-    their bytes, and the GPU's own kernels, on the device's timeline, inside the step."""
+    """scripts/timeline.py on one GPU (NCCL, one rank): each recorded step holds DDP's two buckets' all-reduces once
+    each (torch's trace holds each NCCL collective twice: its CPU op and a GPU copy), with their bytes; the GPU's own
+    kernels run inside the step, and the drawn step's compute and wire are the GPU's (docs/tests.md: a 1-rank
+    all-reduce may launch no kernel, so its bar may be its CPU op's)."""
     import json
-    from test_timeline import COLLECTIVES, first_step
-    from timeline import collective_bytes
-    proc = subprocess.run([sys.executable, "scripts/timeline.py", "ddp_launch.py", "--nproc", "1", "--out",
-                           str(tmp_path)], cwd=REPO, env=BASE_ENV if DRY_RUN else ONE_GPU, capture_output=True,
-                          text=True, timeout=300)
+    from test_timeline import COLLECTIVES, recorded_steps
+    from timeline import collective_bytes, is_collective
+    proc = subprocess.run([sys.executable, "scripts/timeline.py", "ddp_launch.py", "--nproc", "1", "--no-baseline",
+                           "--out", str(tmp_path)], cwd=REPO, env=BASE_ENV if DRY_RUN else ONE_GPU,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     print(proc.stdout)
-    step = first_step(json.loads((tmp_path / "trace.json").read_text())["traceEvents"], 0)
-    sent = [e for e in step if e["name"] == f"{BACKEND}:all_reduce"]
-    assert sorted(collective_bytes(e) for e in sent) == sorted(COLLECTIVES["ddp_launch.py"]["all_reduce"]), sent
-    kernels = [e["name"] for e in step if e.get("cat") == "kernel"]
-    print(f"{len(kernels)} GPU kernels in the step, e.g. {kernels[:3]}")
-    assert bool(kernels) == (not DRY_RUN), kernels
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for step in recorded_steps(events, 0):
+        sent = [e for e in step if is_collective(e)]
+        assert sorted(collective_bytes(e) for e in sent) == sorted(COLLECTIVES["ddp_launch.py"]["all_reduce"]), sent
+        kernels = [e["name"] for e in step if e.get("cat") == "kernel"]
+        assert bool(kernels) == (not DRY_RUN), kernels
+    print(f"{len(kernels)} GPU kernels in the last step, e.g. {kernels[:3]}")
+    drawn = json.loads((tmp_path / "step.json").read_text())["rows"]["rank 0"]
+    wire = [s for s in drawn["spans"] if s[0] == "all_reduce"]
+    assert sorted(s[3] for s in wire) == ["1,046 KiB", "1,570 KiB"], drawn  # once each, labelled with its bytes
+    assert all(0 <= s[1] <= s[2] for s in drawn["spans"]), drawn
 
 
 def test_dataparallel_splits_over_every_visible_gpu(real_data, cuda_reference, tmp_path):

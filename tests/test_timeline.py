@@ -1,7 +1,9 @@
 """scripts/timeline.py: each rank's trace holds the collectives its strategy makes in a step, with their bytes, when;
-a pipeline's trace holds each stage's micro-batches in the order the chapter prints."""
+a pipeline's trace holds each stage's micro-batches in the order the chapter prints; every rank is on one clock, so
+the merged trace obeys physics (nothing received before it was sent) in every recorded step."""
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +12,7 @@ import pytest
 from conftest import BASE_ENV, REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from timeline import collective_bytes  # noqa: E402
+from timeline import collective_bytes, merge, step_events  # noqa: E402
 
 # One step's collectives at 2 ranks, in bytes (each collective's input on one rank), as docs/scaling.md's pictures.
 # DDP: its two buckets' all-reduces (the last layers' 267,786 floats, then the first layer's 401,920); by hand one
@@ -26,31 +28,82 @@ COLLECTIVES = {
     "ddp_launch.py": dict(all_reduce=[267_786 * 4, 401_920 * 4]),
     "ddp_by_hand.py": dict(all_reduce=[784 * 512 * 4, 512 * 4, 512 * 512 * 4, 512 * 4, 512 * 10 * 4, 10 * 4]),
     "ddp_launch.py --comm-hook powersgd": dict(all_reduce=[1034 * 4, 1034 * 4, 1808 * 4]),
+    "ddp_launch.py --comm-hook bf16": dict(all_reduce=[267_786 * 2, 401_920 * 2]),  # the hooks' half-size dtypes
+    "ddp_launch.py --comm-hook fp16": dict(all_reduce=[267_786 * 2, 401_920 * 2]),
     "fsdp.py": dict(all_gather=LAYERS * 2, all_reduce=[401_920 * 4, 262_656 * 4, 5_130 * 4]),
     "tensor_parallel.py": dict(all_reduce=[64 * 512 * 4]),
 }
 # Which collectives leave while the step still computes: DDP's first bucket and FSDP2's first gradient before the
 # backward's last op, by hand's and PowerSGD's (one bucket) only after it; FSDP2's gathers and tensor parallel's
 # all-reduce inside the forward.
-BEFORE_BACKWARD_ENDS = {"ddp_launch.py", "fsdp.py"}
+BEFORE_BACKWARD_ENDS = {"ddp_launch.py", "fsdp.py", "ddp_launch.py --comm-hook bf16", "ddp_launch.py --comm-hook fp16"}
+STEPS = 5  # the script's default: every recorded step is checked
+TOLERANCE_MS = 0.1  # beyond the clock offset's own error bound (half the fastest round trip, printed by the script)
 IN_FORWARD = {"fsdp.py": "all_gather", "tensor_parallel.py": "all_reduce"}
 
 
-def timeline(tmp_path, chapter, *flags, ranks=2):
+def timeline(tmp_path, chapter, *flags, ranks=2, baseline=False):
     """scripts/timeline.py on loopback, its defaults: (the merged trace's events, what the chapter printed)."""
     proc = subprocess.run([sys.executable, "scripts/timeline.py", chapter, "--nproc", str(ranks), "--out",
-                           str(tmp_path), "--", *flags], cwd=REPO, env=BASE_ENV, capture_output=True, text=True,
-                          timeout=300)
+                           str(tmp_path), *([] if baseline else ["--no-baseline"]), "--", *flags], cwd=REPO,
+                          env=BASE_ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", proc.stdout
     return json.loads((tmp_path / "trace.json").read_text())["traceEvents"], (tmp_path / "chapter.log").read_text()
 
 
-def first_step(events, rank):
-    """The rank's complete events in its first recorded step (from the barrier's mark to the first step's end)."""
+def recorded_steps(events, rank):
+    """The rank's complete events in each recorded step (from one mark to the next), each list in time order."""
     mine = [e for e in events if e.get("pid") == rank and e.get("ph") == "X"]
     marks = sorted(e["ts"] for e in mine if e["name"] in ("timeline:start", "timeline:step"))
-    return sorted((e for e in mine if marks[0] <= e["ts"] < marks[1]), key=lambda e: e["ts"])
+    return [sorted((e for e in mine if a <= e["ts"] < b), key=lambda e: e["ts"]) for a, b in zip(marks, marks[1:])]
+
+
+def first_step(events, rank):
+    """The rank's complete events in its first recorded step (from the barrier's mark to the first step's end)."""
+    return recorded_steps(events, rank)[0]
+
+
+def assert_obeys_physics(out, ranks):
+    """On the merged trace's one clock, in every recorded step: no rank ends a collective (the n-th of its kind) before
+    every rank started it, as drawn (step.json's ends, where the rank went on) and as recorded; a pipeline stage
+    starts micro-batch i's forward only after the stage before ended it, its backward only after the stage after
+    ended it. Allowed: the clock offsets' own error bound, plus TOLERANCE_MS."""
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    drawn = json.loads((out / "step.json").read_text())
+    slack = (max(bound for _, bound in drawn["offsets"]) + TOLERANCE_MS * 1e3) / 1e3  # ms
+    steps = [recorded_steps(events, rank) for rank in range(ranks)]
+    assert {len(s) for s in steps} == {STEPS}, [len(s) for s in steps]
+    ms = lambda e: (e["ts"] / 1e3, (e["ts"] + e.get("dur", 0)) / 1e3)
+    for k in range(STEPS):
+        wire = [{} for _ in range(ranks)]
+        chunks = [{} for _ in range(ranks)]
+        for rank in range(ranks):
+            for e in steps[rank][k]:
+                if re.match(r"(gloo|nccl):", e["name"]) and e["name"] not in ("gloo:send", "gloo:recv"):
+                    wire[rank].setdefault(e["name"], []).append(ms(e))
+                elif m := re.fullmatch(r"timeline:([FB]\d+)", e["name"]):
+                    chunks[rank][m[1]] = ms(e)
+        for kind in wire[0]:
+            for n in range(len(wire[0][kind])):
+                started = max(wire[r][kind][n][0] for r in range(ranks))
+                ended = min(wire[r][kind][n][1] for r in range(ranks))
+                assert ended >= started - slack, (k, kind, n, [wire[r][kind][n] for r in range(ranks)])
+        for stage in range(1, ranks if chunks[0] else 0):
+            for label, (start, _) in chunks[stage].items():
+                if label[0] == "F":
+                    assert start >= chunks[stage - 1][label][1] - slack, (k, stage, label, chunks)
+            for label, (start, _) in chunks[stage - 1].items():
+                if label[0] == "B":
+                    assert start >= chunks[stage][label][1] - slack, (k, stage - 1, label, chunks)
+    # the drawn step: each collective's drawn end (where its rank went on) no earlier than every rank's start of it
+    origin = {name: row for name, row in drawn["rows"].items() if name.startswith("rank ")}
+    for kind in {s[0] for row in origin.values() for s in row["spans"] if s[0] not in ("forward", "backward",
+                                                                                     "optimizer", "send", "recv")}:
+        per_rank = [[s for s in row["spans"] if s[0] == kind] for row in origin.values()]
+        for n in range(len(per_rank[0])):
+            started = max(spans[n][1] for spans in per_rank)
+            assert all(spans[n][4] >= started - slack for spans in per_rank), (kind, n, per_rank)
 
 
 @pytest.mark.parametrize("case", COLLECTIVES)
@@ -75,6 +128,7 @@ def test_each_ranks_trace_holds_its_strategys_collectives(case, tmp_path):
         in_forward = [e for e in step if e["name"] == f"gloo:{IN_FORWARD.get(case)}"
                       and forward["ts"] <= e["ts"] < forward["ts"] + forward["dur"]]
         assert len(in_forward) == (3 if chapter == "fsdp.py" else 1 if chapter == "tensor_parallel.py" else 0), in_forward
+    assert_obeys_physics(tmp_path, 2)
 
 
 PIPELINES = [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")]
@@ -91,6 +145,7 @@ def test_pipeline_trace_follows_the_timetable_the_chapter_prints(ranks, schedule
         traced = [e["name"][len("timeline:"):] for e in first_step(events, rank)
                   if re.fullmatch(r"timeline:[FB]\d+", e["name"])]
         assert traced == table[str(rank)].split(), (rank, printed)
+    assert_obeys_physics(tmp_path, ranks)
 
 
 def test_timeline_across_two_machines_waits_for_the_link(tmp_path):
@@ -111,6 +166,78 @@ def test_timeline_across_two_machines_waits_for_the_link(tmp_path):
         assert sorted(collective_bytes(e) for e in sent) == sorted(COLLECTIVES["ddp_launch.py"]["all_reduce"])
         span_s = (max(e["ts"] + e["dur"] for e in sent) - min(e["ts"] for e in sent)) / 1e6
         assert span_s >= sum(COLLECTIVES["ddp_launch.py"]["all_reduce"]) / 2 * 8 / 100e6, span_s
+    assert_obeys_physics(tmp_path, 2)
+
+
+def test_merge_recovers_a_clock_skew_planted_in_one_rank(tmp_path):
+    """Ranks on two machines read two clocks. Rank 1's whole trace moved 5 s ahead (as another machine's clock
+    would be) merges into the same trace: the offset the script measures from the bounced tensor is the skew, to
+    float rounding; unskewed, the two ranks share this machine's clock and the offset is 0 within its stated error. Then chapter 1's baseline row and each rank's shares
+    are drawn: compute, waiting on the wire and idle add up to the step."""
+    timeline(tmp_path / "run", "ddp_launch.py", baseline=True)
+    printed = json.loads((tmp_path / "run" / "step.json").read_text())
+    assert set(printed["rows"]) == {"rank 0", "rank 1", "chapter 1"}, printed["rows"].keys()
+    for name, row in printed["rows"].items():
+        parts = dict(re.findall(r"(\w+) (\d+)%", row["numbers"]))
+        assert set(parts) == {"compute", "wire", "idle"} and abs(sum(map(int, parts.values())) - 100) <= 2, row
+    skewed = tmp_path / "skewed"
+    shutil.copytree(tmp_path / "run", skewed)
+    trace = json.loads((skewed / "rank1.json").read_text())
+    for e in trace["traceEvents"]:
+        if "ts" in e:
+            e["ts"] += 5_000_000  # µs
+    (skewed / "rank1.json").write_text(json.dumps(trace))
+    (straight, offsets), (moved, moved_offsets) = merge(tmp_path / "run", 2), merge(skewed, 2)
+    assert abs(moved_offsets[1][0] - offsets[1][0] - 5_000_000) < 1e-3, (offsets, moved_offsets)
+    assert moved_offsets[1][1] == pytest.approx(offsets[1][1])  # the same rounds, the same error bound
+    assert max(abs(a["ts"] - b["ts"]) for a, b in zip(straight, moved) if "ts" in a) < 1e-3
+    assert offsets[1][1] < 5_000, offsets  # half the fastest round trip on loopback: well under 5 ms
+    assert abs(offsets[1][0]) <= offsets[1][1], offsets  # one machine, one clock: 0 to within the stated error
+
+
+# A trace of CUDA's shape, as torch's profiler (Kineto) exports one from an NCCL rank (torch 2.14's
+# export_chrome_trace; the fields torch's own DDP profiling test and Kineto's ChromeTraceLogger name): each collective
+# twice, the CPU op (its launch, with its shapes) and a `gpu_user_annotation` copy on the GPU's row; the CPU op launches
+# the NCCL kernel (`cudaLaunchKernel`, a `cuda_runtime` event) that runs later on the GPU's stream (a `kernel` event
+# with the same `correlation`); the model's kernels likewise, launched inside the forward, backward and optimizer.
+def cuda_shaped_trace():
+    events, stream = [], dict(pid=0, tid=7)
+    cpu = lambda name, ts, dur, cat="user_annotation", **args: events.append(
+        dict(ph="X", cat=cat, name=name, pid=100, tid=100, ts=ts, dur=dur, args=args))
+    launch = lambda ts, correlation: cpu("cudaLaunchKernel", ts, 5, "cuda_runtime", correlation=correlation)
+    kernel = lambda name, ts, dur, correlation: events.append(
+        dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args=dict(correlation=correlation, stream=7), **stream))
+    cpu("timeline:start", 0, 1)
+    cpu("timeline:forward", 10, 100)
+    launch(20, 1)
+    kernel("void gemmSN_TN_kernel<float>", 40, 300, 1)
+    cpu("autograd::engine::evaluate_function: AddmmBackward0", 120, 80, "cpu_op")
+    launch(130, 2)
+    kernel("void gemmSN_NN_kernel<float>", 350, 400, 2)
+    for i, (floats, at) in enumerate([(267_786, 210), (401_920, 260)]):  # DDP's two buckets
+        cpu("nccl:all_reduce", at, 30, **{"Input Dims": [[floats]], "Input type": ["float"]})
+        launch(at + 10, 10 + i)
+        kernel(f"ncclDevKernel_AllReduce_Sum_f32_RING_LL", 800 + 500 * i, 450, 10 + i)
+        events.append(dict(ph="X", cat="gpu_user_annotation", name="nccl:all_reduce", ts=800 + 500 * i, dur=450,
+                           args={}, **stream))
+    cpu("Optimizer.step#SGD.step", 320, 60)
+    launch(330, 3)
+    kernel("void multi_tensor_apply_kernel", 1800, 100, 3)
+    cpu("timeline:step", 2000, 1)
+    return events
+
+
+def test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once(tmp_path):
+    """On a CUDA trace: each collective drawn once (its GPU copy dropped), with its bytes, where its NCCL kernel ran
+    on the GPU, not where the CPU launched it; the compute as the GPU ran it, in the phase that launched each kernel."""
+    (tmp_path / "rank0.json").write_text(json.dumps(dict(traceEvents=cuda_shaped_trace())))
+    merged, offsets = merge(tmp_path, 1)
+    found, wire, gaps = step_events(merged, 0, (0, 2000))
+    assert [(w[0], w[1], w[2], w[5]) for w in wire] == [("all_reduce", 800, 1250, 267_786 * 4),
+                                                         ("all_reduce", 1300, 1750, 401_920 * 4)]
+    assert sorted((kind, t0, t1) for kind, t0, t1, _ in found) == [
+        ("backward", 350, 750), ("forward", 40, 340), ("optimizer", 1800, 1900)]
+    assert gaps == []  # a GPU rank's waiting is on its stream, not in its CPU thread
 
 
 def test_the_chapters_gain_no_profiling_line():
