@@ -358,28 +358,32 @@ def shares(spans, waits, start, end):
     return dict(compute=(busy - exposed) / length, wire=exposed / length, idle=1 - busy / length)
 
 
-def pipeline_text(rows, lengths, schedule_ranks):
-    """The pipeline's idle time against its schedule's bubble: (S-1)/(M+S-1) of the step, in theory."""
+def pipeline_text(rows, lengths, stages):
+    """A pipeline's idle time beside its schedule's bubble ((S-1)/(M+S-1) of a step, in theory), the rest being its
+    sends' and receives' latency and uneven work; and the activations each stage holds at most: (lines, {rank: held})."""
     micro = max((int(label[1:]) + 1 for spans in rows.values() for kind, _, _, label, _ in spans if label[:1] == "F"),
                 default=0)
     if not micro:
-        return []
-    stages = schedule_ranks
-    lines = [f"pipeline: {stages} stages x {micro} micro-batches: the schedule's bubble alone leaves each stage idle "
-             f"{(stages - 1) / (micro + stages - 1):.0%} of a step"]
+        return [], {}
+    bubble = (stages - 1) / (micro + stages - 1)
+    lines, held = [f"pipeline: {stages} stages x {micro} micro-batches; the schedule's bubble alone, in theory: "
+                   f"{bubble:.0%} of a step idle on every stage"], {}
     for rank, spans in rows.items():
         chunks = sorted((t0, label) for kind, t0, t1, label, _ in spans if label[:1] in ("F", "B"))
-        held = peak = 0
+        now = held[rank] = 0
         for _, label in chunks:  # a micro-batch's activations are held from its forward to its backward
-            held += 1 if label[0] == "F" else -1
-            peak = max(peak, held)
-        busy = union_ms([(t0, t1) for kind, t0, t1, label, _ in spans if label[:1] in ("F", "B")])
-        p2p = [used - t0 for kind, t0, t1, label, used in spans if kind in ("send", "recv")]
+            now += 1 if label[0] == "F" else -1
+            held[rank] = max(held[rank], now)
         length = lengths[f"rank {rank}"]
-        lines.append(f"  stage {rank}: idle {1 - busy / length:.0%} of its {length:.1f} ms; "
-                     f"{len(p2p)} sends/receives of {statistics.mean(p2p) if p2p else 0:.2f} ms each (mean); "
-                     f"activations held for up to {peak} micro-batches")
-    return lines
+        idle = 1 - union_ms([(t0, t1) for kind, t0, t1, label, _ in spans if label[:1] in ("F", "B")]) / length
+        p2p = [used - t0 for kind, t0, t1, label, used in spans if kind in ("send", "recv")]
+        sizes = " or ".join(sorted({label for kind, t0, t1, label, _ in spans if kind in ("send", "recv")}))
+        lines.append(f"  stage {rank}: idle {idle:.0%} of its {length:.1f} ms: {bubble:.0%} the bubble, "
+                     f"{idle - bubble:.0%} the rest: {len(p2p)} sends and receives of {sizes}, each "
+                     f"{statistics.mean(p2p) if p2p else 0:.2f} ms from its start to its wait's end (the wire's "
+                     f"latency and the wait for the other stage); activations held for up to {held[rank]} "
+                     f"micro-batches")
+    return lines, held
 
 
 def draw(rows, waits, ends, numbers, path, title):
@@ -530,8 +534,11 @@ def main():
         wire = [f"{kind} {label}" for kind, t0, t1, label, _ in in_order if kind not in COMPUTE]
         print(f"{name}: {f'{chunks}; ' if chunks else ''}{', '.join(wire) or 'no collective'}; "
               + ", ".join(f"{c} {v:.1f} ms" for c, v in busy.items()) + f"; {length:.1f} ms: {numbers[name]}")
-    for line in pipeline_text({r: rows[f"rank {r}"] for r in range(ranks)}, lengths, ranks):
+    lines, held = pipeline_text({r: rows[f"rank {r}"] for r in range(ranks)}, lengths, ranks)
+    for line in lines:
         print(line)
+    for rank, most in held.items():
+        numbers[f"rank {rank}"] += f"\nactivations held: {most} micro-batches"
     (out / "step.json").write_text(json.dumps(dict(  # what the picture shows, as numbers
         step=k, offsets=offsets, rows={name: dict(spans=rows[name], waits=waits[name], end=ends[name],
                                                    length=lengths[name], numbers=numbers[name]) for name in rows})))
