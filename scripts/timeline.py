@@ -292,7 +292,7 @@ def waiting(wire, gaps, everyone_started):
     it."""
     waits = []
     for s, t in gaps:
-        flying = sorted((w for w in wire if w[1] <= s < w[2]), key=lambda w: w[1])
+        flying = sorted((w for w in wire if w[1] < t and w[2] > s), key=lambda w: w[1])  # gloo may start it late
         if t - s < WAIT_MS * 1e3 or not flying:
             continue
         waits.append((s, t))
