@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
-from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from common.cli import FatalError, flag
 
@@ -40,6 +39,9 @@ def check_comm_hook(cfg):
         return ("--comm-hook powersgd cannot train with --device cpu where a GPU is visible: torch's PowerSGD hook "
                 "then calls torch.cuda.synchronize() on the CPU's gradients and fails at its first compressed step; "
                 "train on the GPUs, or hide them to train on the CPU (CUDA_VISIBLE_DEVICES=)")
+    if cfg.comm_hook.startswith("powersgd") and cfg.precision == "fp16":  # torch's residuals keep an overflow's NaN
+        return ("--comm-hook powersgd cannot train with --precision fp16: one overflowed step leaves NaN in PowerSGD's "
+                "residuals for good, and the GradScaler then skips every later step; use --precision bf16")
     if cfg.comm_hook.startswith("localsgd") and cfg.precision == "fp16":  # each rank's own overflows skip its steps
         return ("--comm-hook localsgd cannot train with --precision fp16: each rank's GradScaler would skip the steps "
                 "its own gradients overflowed in, and the ranks would average at different steps; use --precision bf16")
@@ -71,13 +73,22 @@ class LocalSGD:
         model.register_comm_hook(self.state, post_localSGD_hook.post_localSGD_hook)  # after START: no all-reduce
         optimizer.register_step_post_hook(self.after_step)  # what torch's PostLocalSGDOptimizer adds to step()
 
+    @torch.no_grad()
     def after_step(self, *_):
         """After each optimizer step past START: at steps H, 2H, ... of the epoch and its last, one all-reduce."""
         self.step += 1
         if self.step > self.state.start_localSGD_iter and self.step % self.steps_per_epoch % self.period == 0:
             end = self.step % self.steps_per_epoch == 0
             momentum = [s["momentum_buffer"] for s in self.optimizer.state.values() if end and "momentum_buffer" in s]
-            average_parameters(iter([p for g in self.optimizer.param_groups for p in g["params"]] + momentum), None)
+            tensors = [p for g in self.optimizer.param_groups for p in g["params"]] + momentum
+            # torch's average_parameters, less two faults: it leaves each tensor a view into one flat buffer (model.pth
+            # then holds the momentum too), and syncs the GPU for CPU tensors too (each CPU rank opens a CUDA context)
+            flat = torch.cat([t.reshape(-1) for t in tensors]) / dist.get_world_size()
+            if flat.device.type != "cpu":  # torch's wait for the device before its all-reduce
+                torch.accelerator.synchronize()
+            dist.all_reduce(flat)
+            for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(mean.view_as(t))
 
     def all_gather(self, ctx):  # for rank 0's snapshot: at an epoch's end every rank's weights and momentum are equal
         return dict(step=self.step, iter=self.state.iter)

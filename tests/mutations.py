@@ -226,7 +226,10 @@ MUTATIONS = [
     bug("localsgd-momentum-left-apart", "post-local SGD: at an epoch's end SGD's momentum is averaged too, so rank 0's "
         "snapshot holds every rank's", ["tests/test_comm_hooks.py::test_a_hook_with_state_resumes_as_the_uninterrupted_run"
                                         "[torchrun-localsgd:4:3-momentum]"],
-        ("common/comm_hooks.py", 'g["params"]] + momentum), None)', 'g["params"]]), None)')),
+        ("common/comm_hooks.py", 'g["params"]] + momentum\n', 'g["params"]]\n')),
+    bug("localsgd-leaves-views", "post-local SGD saves the weights alone: its average leaves each tensor its own "
+        "memory", ["tests/test_comm_hooks.py::test_localsgd_saves_the_weights_alone"],
+        ("common/comm_hooks.py", "t.copy_(mean.view_as(t))", "t.data = mean.view_as(t)")),
     bug("localsgd-steps-not-resumed", "post-local SGD: its step counts go into --snapshot",
         ["tests/test_comm_hooks.py::test_a_hook_with_state_resumes_as_the_uninterrupted_run"
          "[torchrun-localsgd:4:3-momentum]"],
@@ -236,6 +239,10 @@ MUTATIONS = [
         ["tests/test_comm_hooks.py::test_a_hook_that_cannot_work_is_one_line[localsgd-fp16]"],
         ("common/comm_hooks.py", 'if cfg.comm_hook.startswith("localsgd") and cfg.precision == "fp16":',
          'if False:')),
+    bug("powersgd-fp16-allowed", "PowerSGD refuses fp16 in one line (one overflow leaves NaN in its residuals for "
+        "good)", ["tests/test_comm_hooks.py::test_a_hook_that_cannot_work_is_one_line[powersgd-fp16]",
+                  "tests/test_comm_hooks.py::test_powersgd_never_recovers_from_one_fp16_overflow_so_it_is_refused"],
+        ("common/comm_hooks.py", 'if cfg.comm_hook.startswith("powersgd") and cfg.precision == "fp16":', 'if False:')),
     bug("comm-hook-not-a-trajectory-flag", "a snapshot resumes only with the --comm-hook it was made with",
         ["tests/test_comm_hooks.py::test_resuming_with_another_hook_is_one_line_per_rank"],
         ("common/checkpoint.py", '"precision", "comm_hook")', '"precision")')),
@@ -465,6 +472,10 @@ MUTATIONS = [
         "refused in one line", ["tests/test_comm_hooks.py::test_powersgd_on_the_cpu_where_a_gpu_is_visible_is_one_line"],
         ("common/comm_hooks.py", 'if cfg.comm_hook.startswith("powersgd") and cfg.device == "cpu" and',
          'if False and cfg.device == "cpu" and')),
+    bug("localsgd-syncs-the-gpu-on-the-cpu", "--comm-hook localsgd with --device cpu where a GPU is visible opens "
+        "no CUDA context",
+        ["tests/test_comm_hooks.py::test_localsgd_on_the_cpu_where_a_gpu_is_visible_opens_no_cuda_context"],
+        ("common/comm_hooks.py", 'if flat.device.type != "cpu":', "if torch.accelerator.is_available():")),
     bug("gpu-suite-expects-a-moved-class", "the GPU suite names what the code has",
         [f"{GPU_PATH}::test_the_gpu_suite_names_what_the_code_has"],
         ("tests/test_gpu.py", 'f"{DataParallel.__module__} DataParallel', '"common.engine DataParallel')),

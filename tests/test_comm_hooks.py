@@ -3,13 +3,16 @@
 What each hook sends, step by step, and the gradient it leaves: test_each_comm_hook_value_sends_what_it_names;
 the bytes per step on the shaped link: tests/test_scaling.py.
 """
+import io
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import BASE_ENV, REPO, load_state, max_abs_diff, run_forked_cases, slice_args
+from common.model import NeuralNetwork
+from conftest import BASE_ENV, REPO, load_state, max_abs_diff, run_forked_cases, run_script, slice_args
 from test_ddp import _accuracy_lines, launch
 
 RESUMED = 0.0  # a resumed run against the uninterrupted one: the same steps, in the same memory layout
@@ -76,6 +79,8 @@ REFUSED = {
                  "localsgd:1"),
     "localsgd-fp16": (["ddp_slurm.py", "--comm-hook", "localsgd:8", "--precision", "fp16"],
                       "--comm-hook localsgd cannot train with --precision fp16: each rank's GradScaler"),
+    "powersgd-fp16": (["ddp_mp.py", "--comm-hook", "powersgd:2:5", "--precision", "fp16"],
+                      "--comm-hook powersgd cannot train with --precision fp16: one overflowed step leaves NaN"),
 }
 
 
@@ -165,19 +170,104 @@ def test_a_powersgd_snapshot_loads_onto_a_gpu(tmp_path):
     assert "resumed: True" in proc.stdout, proc.stdout
 
 
+# One overflow in fp16 (an inf in the loss at step 4, after PowerSGD's START of 2) on a DDP of one rank (gloo), with
+# each hook through the chapters' register_comm_hook and a GradScaler as the chapters make it: per step, whether the
+# weights moved (the scaler steps, or skips the step when a gradient is not finite), and whether the chapters refuse
+# the hook with --precision fp16.
+OVERFLOW = """
+import json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from common.cli import Config
+from common.comm_hooks import ONE_BUCKET_MB, check_comm_hook, register_comm_hook
+from common.model import NeuralNetwork
+from common.ranks import destroy_process_group
+
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+torch.manual_seed(0)
+batch = torch.rand(64, 1, 28, 28), torch.randint(0, 10, (64,))
+report = {}
+for value in sys.argv[2:]:
+    cfg = Config(precision="fp16")
+    cfg.comm_hook = value
+    model = DDP(NeuralNetwork(), bucket_cap_mb=ONE_BUCKET_MB if value.startswith("powersgd") else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    register_comm_hook(model, cfg, optimizer, range(100))
+    moved = []
+    for step in range(1, 9):
+        before = model.module.linear_relu_stack[0].weight.clone()
+        optimizer.zero_grad()
+        with torch.autocast("cpu", torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+        scaler.scale(loss * (float("inf") if step == 4 else 1.0)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        moved.append(not torch.equal(before, model.module.linear_relu_stack[0].weight))
+    report[value] = dict(moved=moved, refused=check_comm_hook(cfg) is not None)
+print(json.dumps(report), flush=True)
+destroy_process_group()
+"""
+
+
+def test_powersgd_never_recovers_from_one_fp16_overflow_so_it_is_refused(tmp_path):
+    """Without a hook, or with fp16's, the scaler skips the step that overflowed and trains on. torch's PowerSGD adds
+    each bucket's residual to the next gradient: the inf leaves NaN there for good, every later gradient is NaN and
+    every later step is skipped while the loss scale falls. The chapters refuse exactly the hook that stalls (if
+    torch's hook learns to recover, this test fails: lift the refusal)."""
+    report = json.loads(run_code(OVERFLOW, tmp_path / "rdzv", "none", "fp16", "powersgd").stdout)
+    trains_on, stalls = [True] * 3 + [False] + [True] * 4, [True] * 3 + [False] * 5
+    assert {value: r["moved"] for value, r in report.items()} == dict(none=trains_on, fp16=trains_on, powersgd=stalls)
+    assert {value: r["refused"] for value, r in report.items()} == dict(none=False, fp16=False, powersgd=True)
+
+
+def test_localsgd_saves_the_weights_alone(real_data, tmp_path):
+    """torch's average_parameters would leave each weight a view into one flat buffer that at an epoch's end holds
+    SGD's momentum too, and torch.save writes a view's whole buffer: model.pth doubled (5,359,977 bytes). After the
+    epoch's average, model.pth is as large as chapter 1's, and each tensor of the snapshot holds its own bytes."""
+    proc = run_script("ddp_mp.py", "--nprocs", "1", "--comm-hook", "localsgd:4", "--momentum", "0.9", "--snapshot",
+                      tmp_path / "snap.pt", *slice_args(real_data, tmp_path), "--epochs", "1")
+    assert proc.returncode == 0, proc.stderr
+    weights = io.BytesIO()
+    torch.save(NeuralNetwork().state_dict(), weights)  # as atomic_save writes it: 2,681,749 bytes
+    assert (tmp_path / "model.pth").stat().st_size == len(weights.getbuffer())
+    snapshot = load_state(tmp_path / "snap.pt")
+    tensors = [*snapshot["model"].values(), *(s["momentum_buffer"] for s in snapshot["optimizer"]["state"].values())]
+    assert len(tensors) == 12 and all(t.untyped_storage().nbytes() == t.nbytes for t in tensors)
+
+
 # A machine with a GPU, as far as torch.cuda.is_available() and device_count() tell: the check a chapter makes.
 A_GPU_IS_VISIBLE = "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n"
+# ... and torch.accelerator's, with what would open a CUDA context in a CPU rank failing instead
+NO_CUDA_CONTEXT = ("torch.accelerator.is_available = lambda: True\ndef opens_a_cuda_context(*args):\n"
+                   "    raise RuntimeError('a CPU rank opened a CUDA context')\n"
+                   "torch.accelerator.synchronize = torch.cuda.synchronize = opens_a_cuda_context\n")
+
+
+def gpu_visible(tmp_path, code=A_GPU_IS_VISIBLE):
+    """The suite's environment in a process that sees a GPU (a sitecustomize on PYTHONPATH that says so)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(code)
+    return dict(BASE_ENV, PYTHONPATH=str(shim))
+
+
+def test_localsgd_on_the_cpu_where_a_gpu_is_visible_opens_no_cuda_context(real_data, tmp_path):
+    """torch's average_parameters calls torch.accelerator.synchronize() whenever an accelerator is available, whatever
+    the weights' device: each CPU rank of a GPU machine would open a CUDA context (and hold its memory) to average.
+    The chapters' average waits only for the device its tensors are on."""
+    proc = subprocess.run([sys.executable, "ddp_mp.py", "--nprocs", "1", "--device", "cpu", "--comm-hook", "localsgd:4",
+                           *slice_args(real_data, tmp_path / "run"), "--epochs", "1"], cwd=REPO, capture_output=True,
+                          env=gpu_visible(tmp_path, A_GPU_IS_VISIBLE + NO_CUDA_CONTEXT), text=True, timeout=300)
+    assert proc.returncode == 0 and "a CPU rank opened a CUDA context" not in proc.stderr, proc.stderr
+    assert "Saved PyTorch Model State" in proc.stdout, proc.stdout
 
 
 def test_powersgd_on_the_cpu_where_a_gpu_is_visible_is_one_line(real_data, tmp_path):
     """torch's PowerSGD hook calls torch.cuda.synchronize(device) whenever CUDA is available, with the gradients'
     device: for --device cpu on a GPU machine that is the CPU, and every rank dies at the first compressed step
     (ValueError: Expected a cuda device, but got: cpu). The chapters refuse it before any rendezvous."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(A_GPU_IS_VISIBLE)
     proc = subprocess.run([sys.executable, "ddp_mp.py", "--nprocs", "2", "--device", "cpu", "--comm-hook", "powersgd",
-                           *slice_args(real_data, tmp_path / "run")], cwd=REPO, env=dict(BASE_ENV, PYTHONPATH=str(shim)),
+                           *slice_args(real_data, tmp_path / "run")], cwd=REPO, env=gpu_visible(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--comm-hook powersgd cannot train with --device cpu where a GPU is visible" in proc.stderr

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common import engine
 from common.cli import Config
+from common.comm_hooks import LocalSGD
 from common.data import load_fashion_mnist
 from common.engine import MetricsLog
 from common.model import NeuralNetwork
@@ -98,7 +99,7 @@ def test_a_training_step_reads_and_copies_nothing_on_the_host(precision, fake_da
 def test_the_docs_say_which_modes_read_back_each_step():
     """docs/benchmark.md's table of host syncs per step matches what the test above finds, and what torch's PowerSGD
     hook does on CUDA (it calls torch.cuda.synchronize(device) after every compressed step), and post-local SGD's
-    averages (torch's average_parameters synchronizes the device before its all-reduce)."""
+    averages (which synchronize the device before their all-reduce, as torch's average_parameters does)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.distributed.algorithms.model_averaging import utils
 
@@ -108,4 +109,5 @@ def test_the_docs_say_which_modes_read_back_each_step():
     assert "torch.cuda.synchronize(device)" in inspect.getsource(powerSGD_hook.powerSGD_hook)
     assert "torch.cuda.synchronize" in rows["--comm-hook powersgd"], rows
     assert "torch.accelerator.synchronize()" in inspect.getsource(utils.average_parameters)
+    assert "torch.accelerator.synchronize()" in inspect.getsource(LocalSGD.after_step)
     assert "torch.accelerator.synchronize()" in rows["--comm-hook localsgd:H"], rows

@@ -177,13 +177,17 @@ TWINS = [
     Twin("ddp_slurm.py", (*LEARNS, "--comm-hook", "powersgd:2:5"), "trains"),
     Twin("ddp_mp.py", ("--comm-hook", "powersgd", "--device", "cpu"), "refused",
          "--comm-hook powersgd cannot train with --device cpu where a GPU is visible"),
+    Twin("ddp_tcp_manual.py", ("--comm-hook", "powersgd", "--precision", "fp16"), "refused",
+         "--comm-hook powersgd cannot train with --precision fp16"),
     # DDP by hand (chapter 3b): its broadcast and per-tensor all-reduces on NCCL, with accumulation, bf16, a compiled
     # model and a resumed run; fp16 refused.
     Twin("ddp_by_hand.py"), Twin("ddp_by_hand.py", ("--accum-steps", "2", "--precision", "bf16")),
     Twin("ddp_by_hand.py", ("--compile",)), Twin("ddp_by_hand.py", MOMENTUM, "resume"),
     Twin("ddp_by_hand.py", ("--precision", "fp16"), "refused", "ddp_by_hand.py trains in --precision fp32 or bf16"),
-    # post-local SGD at world size 1: its averages are of one rank, so it is chapter 1's model; fp16 is refused.
+    # post-local SGD at world size 1: its averages are of one rank, so it is chapter 1's model (and model.pth holds the
+    # weights alone); on the CPU of this GPU machine it trains; fp16 is refused.
     Twin("ddp_launch.py", ("--comm-hook", "localsgd:4")), Twin("ddp_mp.py", ("--comm-hook", "localsgd:2:5")),
+    Twin("ddp_mp.py", ("--comm-hook", "localsgd:4", "--device", "cpu"), "trains"),
     Twin("ddp_slurm.py", ("--comm-hook", "localsgd:4", "--precision", "fp16"), "refused",
          "--comm-hook localsgd cannot train with --precision fp16"),
     # --snapshot: a run stopped after epoch 1 and resumed is the uninterrupted one, in every chapter that takes it.
@@ -253,9 +257,12 @@ def test_each_feature_on_cuda(twin, real_data, chapter_1, tmp_path):
         return
     assert proc.returncode == 0, proc.stderr
     if twin.chapter not in ("single_gpu.py", "dataparallel.py"):
-        assert f"device={DEVICE} backend={BACKEND} world_size=1 " in proc.stdout, proc.stdout
+        device, backend = ("cpu", "gloo") if "cpu" in twin.flags else (DEVICE, BACKEND)  # --device cpu: the CPU's
+        assert f"device={device} backend={backend} world_size=1 " in proc.stdout, proc.stdout
     reference, log = chapter_1[twin.model_flags()]
-    difference = max_abs_diff(reference, load_state(tmp_path / "run" / "model.pth"))
+    weights = load_state(tmp_path / "run" / "model.pth")
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in weights.values())  # each its own bytes: nothing else
+    difference = max_abs_diff(reference, weights)
     accuracy, expected = (float(re.findall(r"Accuracy: ([\d.]+)%", text)[-1]) for text in (proc.stdout, log))
     print(f"{_twin_id(twin)}: max |Δ| from chapter 1 = {difference:.3e}, accuracy {accuracy}% (chapter 1 {expected}%)")
     if twin.check == "same":
