@@ -378,6 +378,11 @@ MUTATIONS = [
     bug("link-bursts-a-whole-step", "scaling: a small all-reduce after an idle gap takes at least its wire time",
         ["tests/test_scaling.py::test_a_small_all_reduce_after_an_idle_gap_takes_its_wire_time[10mbit]"],
         ("scripts/netns.py", "    return max(1600, bits", "    return max(32 * 1024, bits")),
+    bug("docs-keep-a-run-faster-than-the-link", "no figure in docs/scaling.md is under its bytes' wire time",
+        ["tests/test_scaling.py::test_no_run_in_docs_crossed_the_link_faster_than_its_rate"],
+        ("docs/scaling.json", """   "row": "powersgd",
+   "rate": "100mbit",""", """   "row": "powersgd",
+   "rate": "10mbit",""")),  # a PowerSGD step's 8.6 ms at 10 Mbit/s, as the bursty link let the dropped runs through
     bug("bf16-hook-is-fp16s", "each --comm-hook value is the hook it names: bf16 sends bfloat16",
         ["tests/test_comm_hooks.py::test_each_comm_hook_value_sends_what_it_names[bf16]"],
         ("common/comm_hooks.py", 'getattr(default_hooks, f"{name}_compress_hook")', "default_hooks.fp16_compress_hook")),
