@@ -3,9 +3,9 @@ optimizer step every gradient all-reduced and divided by the world size. The les
 
     torchrun --standalone --nproc-per-node 2 ddp_by_hand.py     # one machine, 2 processes (GPUs, or the CPU)
 
-It trains chapter 3's model, and waits for the network where DDP need not: one blocking all-reduce per tensor after
-the whole backward, where DDP sends buckets of gradients while the backward still runs (docs/scaling.md measures both:
-45% longer than DDP at 1 Gbit/s, no difference at 100 Mbit/s, where the wire dwarfs the backward).
+It trains chapter 3's model, and waits for the network where DDP need not: one all-reduce per tensor, in turn, after
+the whole backward (gloo's call returns when it is done; NCCL's at once, and the GPU's stream waits), where DDP sends
+buckets while the backward runs (docs/scaling.md: 45% longer than DDP at 1 Gbit/s, the same at 100 Mbit/s).
 """
 import os
 from datetime import timedelta
@@ -107,7 +107,7 @@ def train(cfg, ctx):
 
 
 def average_gradients(model, world_size):
-    """DDP's job by hand: each gradient summed over the ranks, one blocking all-reduce per tensor, then averaged."""
+    """DDP's job by hand: each gradient summed over the ranks, one all-reduce per tensor in turn, then averaged."""
     for param in model.parameters():
         dist.all_reduce(param.grad)  # the sum of every rank's gradient, in place on every rank
         param.grad /= world_size

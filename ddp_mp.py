@@ -6,6 +6,7 @@
 The parent process parses the flags, holds the rendezvous store and spawns --nprocs workers; worker i is rank i.
 """
 import functools
+import socket
 from datetime import timedelta
 
 import torch
@@ -32,9 +33,12 @@ def main():
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     rank_device(cfg.device, 0, world_size)  # more processes than GPUs: one line now, before any starts
     # As torchrun's agent does, this process holds the store where the ranks meet, on a free port bound before any
-    # worker starts (a port only chosen now could be taken by another program before rank 0 binds it).
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.timeout))
+    # worker starts (a port only chosen now could be taken by another program before rank 0 binds it). The ranks are
+    # all on this machine, so it listens on loopback only: a store that binds its own listens on every interface.
+    listener = socket.create_server(("127.0.0.1", 0))  # handed over: the store closes it (libuv's takes one from 2.8)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.timeout), master_listen_fd=listener.detach(),
+                          use_libuv=False)
     try:
         mp.spawn(worker, args=(cfg, world_size, store.port), nprocs=world_size)  # worker(i, cfg, world_size, port)
     except mp.ProcessExitedException as e:  # a worker failed (and said why, unless killed); spawn stopped the others

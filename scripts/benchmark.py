@@ -42,6 +42,7 @@ import os
 import platform
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -217,8 +218,11 @@ def case_ddp_floor(args):
     """(f)-(h) The parts of a DDP step on --nprocs ranks, each timed alone: compute, all-reduce, both by hand."""
     import torch.multiprocessing as mp
 
-    # As ddp_mp.py: the store is bound here, before the ranks start, so nothing can take its port in between.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    # As ddp_mp.py: the store is bound here, before the ranks start, so nothing can take its port in between, and on
+    # loopback alone (a store that binds its own port listens on every interface).
+    listener = socket.create_server(("127.0.0.1", 0))
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120), master_listen_fd=listener.detach(), use_libuv=False)
     mp.spawn(_floor_worker, args=(args, store.port), nprocs=args.nprocs)
 
 

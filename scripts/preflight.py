@@ -188,8 +188,11 @@ def main():
         gpus = torch.cuda.device_count() if cfg.device != "cpu" and torch.cuda.is_available() else 0
         world_size = cfg.nprocs or gpus or 2  # as ddp_mp.py: mp.spawn on this machine
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # as ddp_mp.py: the store is bound before the ranks start
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0)), is_master=True,
-                              wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))
+        # and, the ranks being on this machine, on MASTER_ADDR alone (a store binding its own port takes every address)
+        listener = socket.create_server((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], listener.getsockname()[1], is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout),
+                              master_listen_fd=listener.detach(), use_libuv=False)  # libuv's takes an fd from 2.8 on
         os.environ["MASTER_PORT"] = str(store.port)
         try:
             mp.spawn(spawned_rank, args=(cfg, world_size), nprocs=world_size)

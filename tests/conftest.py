@@ -109,6 +109,7 @@ QUICK = [
     "tests/test_ddp.py::test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom",
     "tests/test_ddp.py::test_chapters_1_and_2_mark_the_steps_they_share",
     "tests/test_ddp.py::test_chapter_diffs_stay_within_their_budget",
+    "tests/test_ddp.py::test_spawned_ranks_store_listens_on_loopback_only",
     "tests/test_faults.py::test_bad_flag_exits_2_with_one_line",
     "tests/test_training_flags.py::test_flags_that_cannot_work_are_one_line",
     # the units: data, model and loop, flags, errors, the GPU path played on the CPU

@@ -139,8 +139,10 @@ MUTATIONS = [
         ("ddp_by_hand.py", "        dist.broadcast(tensor, src=0)", "        pass")),
     bug("mp-port-chosen-then-bound-later", "no program can take ddp_mp.py's rendezvous port while its workers start",
         ["tests/test_ddp.py::test_mp_port_cannot_be_taken_while_the_workers_start"],
-        ("ddp_mp.py", """    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=cfg.timeout))
+        ("ddp_mp.py", """    listener = socket.create_server(("127.0.0.1", 0))  # handed over: the store closes it (libuv's takes one from 2.8)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.timeout), master_listen_fd=listener.detach(),
+                          use_libuv=False)
     try:
         mp.spawn(worker, args=(cfg, world_size, store.port), nprocs=world_size)""", """    import os
     import socket
@@ -152,6 +154,25 @@ MUTATIONS = [
         ("ddp_mp.py", """    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cfg.timeout))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,""",
          """    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,""")),
+    # A store that binds its own port listens on every interface, whatever host it is given.
+    bug("mp-store-on-every-interface", "the store of mp.spawn's ranks listens on loopback alone (chapter 4)",
+        ["tests/test_ddp.py::test_spawned_ranks_store_listens_on_loopback_only[ddp_mp]"],
+        ("ddp_mp.py", """listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.timeout), master_listen_fd=listener.detach(),
+                          use_libuv=False)""", """0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=cfg.timeout))""")),
+    bug("preflight-store-on-every-interface", "the store of preflight's spawned ranks listens on MASTER_ADDR alone",
+        ["tests/test_ddp.py::test_spawned_ranks_store_listens_on_loopback_only[preflight]"],
+        ("scripts/preflight.py", """listener.getsockname()[1], is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout),
+                              master_listen_fd=listener.detach(), use_libuv=False)""",
+         """0, is_master=True,
+                              wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))""")),
+    bug("benchmark-store-on-every-interface", "the store of the benchmark's spawned ranks listens on loopback alone",
+        ["tests/test_ddp.py::test_spawned_ranks_store_listens_on_loopback_only[benchmark-floor]"],
+        ("scripts/benchmark.py", """listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120), master_listen_fd=listener.detach(), use_libuv=False)""",
+         """0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))""")),
     bug("pipeline-timetable-not-gathered", "chapter 10 prints each stage's own order of work, as the trace shows it",
         ["tests/test_timeline.py::test_pipeline_trace_follows_the_timetable_the_chapter_prints[3-stages-1f1b]"],
         ("pipeline.py", """    dist.all_gather_object(everyone, " ".join(order))""",
@@ -383,6 +404,11 @@ MUTATIONS = [
     bug("link-bursts-a-whole-step", "scaling: a small all-reduce after an idle gap takes at least its wire time",
         ["tests/test_scaling.py::test_a_small_all_reduce_after_an_idle_gap_takes_its_wire_time[10mbit]"],
         ("scripts/netns.py", "    return max(1600, bits", "    return max(32 * 1024, bits")),
+    bug("docs-keep-a-run-faster-than-the-link", "no figure in docs/scaling.md is under its bytes' wire time",
+        ["tests/test_scaling.py::test_no_run_in_docs_crossed_the_link_faster_than_its_rate"],
+        ("docs/scaling.json", """   "row": "powersgd",
+   "rate": "100mbit",""", """   "row": "powersgd",
+   "rate": "10mbit",""")),  # a PowerSGD step's 8.6 ms at 10 Mbit/s, as the bursty link let the dropped runs through
     bug("bf16-hook-is-fp16s", "each --comm-hook value is the hook it names: bf16 sends bfloat16",
         ["tests/test_comm_hooks.py::test_each_comm_hook_value_sends_what_it_names[bf16]"],
         ("common/comm_hooks.py", 'getattr(default_hooks, f"{name}_compress_hook")', "default_hooks.fp16_compress_hook")),

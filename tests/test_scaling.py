@@ -196,6 +196,17 @@ def test_no_row_crosses_the_link_faster_than_its_rate(scaling, row):
     assert "FAST LINK" not in report, report
 
 
+def test_no_run_in_docs_crossed_the_link_faster_than_its_rate():
+    """docs/scaling.json, which docs/scaling.md's steady-state tables and pictures come from, holds no run whose
+    communication took less than its bytes' wire time (the sweep ran before the burst was cut: its PowerSGD runs at
+    10 Mbit/s crossed faster than the rate and were taken out)."""
+    from scripts.scaling import derive
+    results = derive(json.loads((REPO / "docs" / "scaling.json").read_text()))
+    shaped = [r for r in results if r["floor"]]
+    assert shaped and all(r["communication"] >= r["floor"] for r in shaped), \
+        [(r["row"], r["rate"], r["over_floor"]) for r in shaped if r["communication"] < r["floor"]]
+
+
 def test_gloo_sends_nothing_until_the_peer_is_ready_to_receive(tmp_path):
     """docs/scaling.md's reason FSDP2 misses the floor on gloo: a rank sends only once its peer says it is ready to
     receive, and that message travels behind the data the peer has already sent. With the peer 50 ms late, a swap of
