@@ -83,8 +83,7 @@ def train(cfg, ctx):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # ... and steps with the ranks' mean gradient (what DDP's backward() does): averaged just before each step
     optimizer.register_step_pre_hook(lambda *_: average_gradients(model, ctx.world_size))
-    # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
+    scaler = None  # no loss scaling: fp16, which needs it, is refused above
 
     first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs it holds
     metrics = MetricsLog(output, ctx, first_epoch)

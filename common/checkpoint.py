@@ -82,7 +82,8 @@ def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=No
         on_rank0_then_all_reduce(lambda: atomic_save(dict(
             format=SNAPSHOT_FORMAT, epochs_done=epochs_done, config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS},
             model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
-            optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),  # fp16's loss scale ({} when off)
+            optimizer=optimizer.state_dict(),
+            scaler=scaler.state_dict() if scaler else {},  # fp16's loss scale ({} when off, or no scaler)
             comm_hook=hook), cfg.snapshot), ctx, f"write the snapshot {cfg.snapshot}")
 
 

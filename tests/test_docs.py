@@ -32,6 +32,7 @@ from test_faults import SLURM_ENV  # rank 0 of a 2-task job on localhost
 NOT_RUN_HERE = [
     (r"^make test$|^python -m pytest", "the test suite itself: .ci/run runs it"),
     (r"^make run$", "set-up plus `python single_gpu.py`, which RUN.md's chapter 1 command runs here"),
+    (r"^source \.venv/bin/activate$", "the suite's commands run with the venv's python and torchrun on PATH already"),
     (r"10\.0\.0\.1|/shared/", "needs two machines: tests/test_multinode.py runs these on two network namespaces"),
     (r"(^|\s)(sbatch|sinfo|squeue|scontrol)(\s|$)|^cat fmnist-", "needs a SLURM cluster: tests/test_slurm.py submits "
                                                            "job.sh and job_torchrun.sh with the CPU overrides"),
