@@ -6,6 +6,7 @@
 The parent process parses the flags, holds the rendezvous store and spawns --nprocs workers; worker i is rank i.
 """
 import functools
+import os
 import socket
 from datetime import timedelta
 
@@ -21,7 +22,7 @@ from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, all_gather_flags, check_global_batch, destroy_process_group,
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, cpu_threads, destroy_process_group,
                           name_rank_in_errors, print0, rank_device)
 
 
@@ -32,6 +33,8 @@ def main():
     world_size = cfg.nprocs or gpus or 2  # one process per visible GPU, or 2 on the CPU (still two ranks to show)
     check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     rank_device(cfg.device, 0, world_size)  # more processes than GPUs: one line now, before any starts
+    if not gpus:  # as torchrun does, the workers' share of the cores goes into the environment they start with:
+        os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(world_size)))  # every thread's then, gloo's too
     # As torchrun's agent does, this process holds the store where the ranks meet, on a free port bound before any
     # worker starts (a port only chosen now could be taken by another program before rank 0 binds it). The ranks are
     # all on this machine, so it listens on loopback only: a store that binds its own listens on every interface.

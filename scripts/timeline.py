@@ -206,9 +206,13 @@ def size_text(n):
 
 
 def windows(merged, rank):
-    """The rank's recorded steps as (start, end) in µs: from the start mark to each step's end mark."""
-    marks = sorted(e["ts"] for e in merged if e.get("pid") == rank and e.get("ph") == "X"
-                   and e["name"] in (MARK + "start", MARK + "step"))
+    """The rank's recorded steps as (start, end) in µs: from the start mark to each step's end, which is the end of
+    the optimizer's step that holds the step's mark (made in its post-hook), else the mark."""
+    mine = [e for e in merged if e.get("pid") == rank and e.get("ph") == "X"]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in mine if e["name"].startswith("Optimizer.step#")]
+    marks = sorted(e["ts"] if e["name"] == MARK + "start" else max([t for s, t in steps if s <= e["ts"] <= t],
+                                                                    default=e["ts"])
+                   for e in mine if e["name"] in (MARK + "start", MARK + "step"))
     return list(zip(marks, marks[1:]))
 
 

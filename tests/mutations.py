@@ -232,6 +232,10 @@ MUTATIONS = [
         ["tests/test_comm_hooks.py::test_a_hook_with_state_resumes_as_the_uninterrupted_run[mp-powersgd]"],
         ("ddp_mp.py", 'bucket_cap_mb=ONE_BUCKET_MB if cfg.comm_hook.startswith("powersgd") else None)',
          "bucket_cap_mb=None)")),
+    bug("spawn-threads-set-after-start", "same command, same model, where the user runs it: chapter 4's workers start "
+        "with their CPU threads (torch.set_num_threads() later leaves gloo's threads, which run PowerSGD, all cores)",
+        ["tests/test_comm_hooks.py::test_the_same_command_trains_the_same_model_as_users_run_it[mp-powersgd:2]"],
+        ("ddp_mp.py", '        os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(world_size)))', "        pass")),
     bug("localsgd-still-all-reduces", "post-local SGD: after START steps no gradient crosses the wire",
         ["tests/test_comm_hooks.py::test_each_comm_hook_value_sends_what_it_names[localsgd:4]"],
         ("common/comm_hooks.py", "post_local_gradient_allreduce=False)", "post_local_gradient_allreduce=True)")),

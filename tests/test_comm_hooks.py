@@ -42,6 +42,29 @@ def test_a_hook_with_state_resumes_as_the_uninterrupted_run(kind, hook, flags, r
     assert _accuracy_lines(log)[-1] == _accuracy_lines(straight)[-1]
 
 
+
+# The environment a user's shell has: no OMP_NUM_THREADS, nothing on PYTHONPATH (so no tests/cuda_defaults either).
+USER_ENV = {k: v for k, v in BASE_ENV.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
+
+
+@pytest.mark.parametrize("kind,hook", [("mp", "powersgd:2"), ("torchrun", "powersgd:2"), ("tcp", "none")])
+def test_the_same_command_trains_the_same_model_as_users_run_it(kind, hook, real_data, tmp_path, procs):
+    """The same seed twice, and a resumed run against the uninterrupted one, in the user's environment. torch's
+    set_num_threads() sets its caller's count, and another thread's only at that thread's first parallel loop; gloo's
+    threads run PowerSGD's callbacks, whose first matrix products on each then used all the cores (rank 2's differ
+    from one thread's in the last bits), at whichever steps those threads happened to get them: 1e-8 here between two
+    runs. Chapter 4's workers start with OMP_NUM_THREADS, as torchrun's do; ranks started by hand: docs/snapshots.md."""
+    flags = ["--comm-hook", hook, "--train-samples", "480"]
+    runs = {name: launch(kind, 2, real_data, tmp_path / name, procs, extra=flags, env=USER_ENV) for name in ("a", "b")}
+    snap = [*flags, "--snapshot", str(tmp_path / "snap.pt")]
+    for name, epochs in (("stopped", ["--epochs", "1"]), ("resumed", [])):
+        runs[name] = launch(kind, 2, real_data, tmp_path / "resumed", procs, extra=[*snap, *epochs], env=USER_ENV)
+    for codes, _, err in runs.values():
+        assert set(codes) == {0}, err
+    assert "Resuming from" in runs["resumed"][1]
+    weights = {name: load_state(tmp_path / name / "model.pth") for name in ("a", "b", "resumed")}
+    assert [max_abs_diff(weights["a"], weights[name]) for name in ("b", "resumed")] == [RESUMED, RESUMED]
+
 def each_rank_line_says(err, world, needle):
     """Every rank reads the snapshot itself, so each may print the line, tagged [rank N]; mp.spawn stops the others
     as soon as one has failed, so at least one does. Each says needle, and nothing prints a traceback."""
