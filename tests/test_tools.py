@@ -114,7 +114,7 @@ def test_plot_curves_without_matplotlib_or_metrics_says_so(tmp_path):
 
 
 def bench(*args, env=None):
-    return subprocess.run([sys.executable, "scripts/benchmark.py", *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "measure/benchmark.py", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=env)
 
 
