@@ -359,13 +359,12 @@ def run_case(case, ws, progress):
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait on it again
     wall = time.perf_counter() - start
+    shown = f"$ {' '.join(cmd)}\n{harness.last_lines(output)}"
     if proc.returncode != 0:
-        harness.fail(f"{case.label} ({' '.join(cmd)}) (failed with exit code {proc.returncode})",
-                     harness.last_lines(output))
+        harness.fail(case.label, f"failed with exit code {proc.returncode}", shown)
     epochs = case.parse(output)
     if len(epochs) != ws.args.epochs:
-        harness.fail(f"{case.label} ({' '.join(cmd)}) (printed {len(epochs)} epoch timing(s), expected "
-                     f"{ws.args.epochs})", harness.last_lines(output))
+        harness.fail(case.label, f"printed {len(epochs)} epoch timing(s), expected {ws.args.epochs}", shown)
     rss = usage.ru_maxrss / 1024
     print(f"{progress} {case.label}: done in {wall:.1f}s, best epoch {min(e.seconds for e in epochs):.3f}s, "
           f"peak RSS {rss:.0f} MiB", file=sys.stderr, flush=True)

@@ -127,11 +127,11 @@ def start(cmd, env_=None, stdout=subprocess.DEVNULL):
     return subprocess.Popen(cmd, cwd=REPO, env=env_ or env(), stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
-def fail(what, output):
-    """Stop: the last lines of output shown, then what failed as FatalError's one line (run_main prints a message as
-    one line, so the output goes above it, not into it)."""
+def fail(what, problem, output):
+    """Stop: output (what's last lines) shown, then what and its problem as FatalError's one line (run_main prints a
+    message as one line, so the output goes above it, not into it)."""
     sys.stderr.write(f"--- the last lines of {what} ---\n{output.rstrip()}\n---\n")
-    raise FatalError(f"{what}; its last lines of output are above")
+    raise FatalError(f"{what} {problem}; its last lines of output are above")
 
 
 def last_lines(text, n=15):
@@ -153,7 +153,7 @@ def wait_for(procs, what, timeout=600):
         if p.returncode:
             failed.append(f"(exit {p.returncode})\n{last_lines(err)}")
     if failed:
-        fail(f"{what} (failed)", "\n".join(failed))
+        fail(what, "failed", "\n".join(failed))
     return outputs
 
 
