@@ -281,11 +281,6 @@ def inner(case, *extra):
     return lambda ws: ws.inner(case) + list(extra)
 
 
-def quickstart_command(ws):
-    """(b) case_quickstart in a subprocess, on the data folder every case reads (torchvision's own root)."""
-    return ws.inner("quickstart")
-
-
 PY, TORCHRUN, TORCHRUN_1 = harness.torchrun(None, []), harness.torchrun(2, []), harness.torchrun(1, [])
 
 
@@ -307,7 +302,7 @@ def tcp_pair(ws):
 
 CASES = [
     Case("single_gpu", "(a) single_gpu.py", 1, chapter(PY, "single_gpu.py"), parse_fit_log),
-    Case("quickstart", "(b) quickstart", 1, quickstart_command, parse_bench_lines),
+    Case("quickstart", "(b) quickstart", 1, inner("quickstart"), parse_bench_lines),
     Case("floor", "(c) compute floor", 1, inner("floor"), parse_bench_lines),
     Case("ddp_mp_1", "(d) ddp_mp.py --nprocs 1", 1, chapter(PY, "ddp_mp.py", "--nprocs", "1"), parse_fit_log),
     Case("ddp_mp_2", "(e) ddp_mp.py --nprocs 2", 2, chapter(PY, "ddp_mp.py", "--nprocs", "2"), parse_fit_log),

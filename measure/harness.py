@@ -1,16 +1,6 @@
-"""The measurement scripts' one harness: a chapter run unchanged inside a rank, torchrun on one machine or on two,
-one way to fail, JSON and pictures. scaling.py, timeline.py, strategy_table.py and benchmark.py import this and
-nothing of each other.
-
-Inside a rank (the script started again with --worker, under torchrun or alone):
-    known, flags = worker_args(steps=int)          # what worker_command() put on the line, and the chapter's flags
-    after_steps(lambda n, optimizer: ...)          # called after each optimizer step the chapter makes
-    run_chapter(known.worker, flags, at_end)       # the chapter as `python CHAPTER FLAGS` runs it; at_end(code) -> code
-The driver:
-    run(torchrun(2, worker_command(__file__, chapter, out)) + flags, "what it is")     # on this machine
-    with two_machines("reno") as net:                                                 # one rank on each of two
-        shape(net, "100mbit"); wait_for(torchrun_on_two(net, [...]), "what it is")
-"""
+"""The measurement scripts' one harness, the only module they share: a chapter run unchanged inside a rank
+(worker_command, worker_args, after_steps, run_chapter), torchrun on this machine or one rank on each of two
+(torchrun, run, two_machines, shape, torchrun_on_two, wait_for), one way to fail (fail), JSON and pictures."""
 import argparse
 import json
 import math
@@ -155,6 +145,14 @@ def wait_for(procs, what, timeout=600):
     if failed:
         fail(what, "failed", "\n".join(failed))
     return outputs
+
+
+def records(out, ranks, what):
+    """The JSON file each rank's worker wrote in out, in rank order, or FatalError if one is missing."""
+    found = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
+    if len(found) != ranks:
+        raise FatalError(f"{what} left {len(found)} measurements for {ranks} ranks")
+    return found
 
 
 def run(cmd, what, env_=None, timeout=600):

@@ -22,7 +22,7 @@ and one thread per rank, for WARMUP optimizer steps and then STEPS measured ones
 - communication: the time gloo's threads spent in collectives, from torch's profiler (its gloo:* events, each
   timed on the thread that ran it), the union of those intervals, per step;
 - bytes: the sizes of the same events (record_shapes), counted as a ring algorithm sends them (2(n-1)/n of an
-  all-reduce, measure/strategy_table.py's rule), per rank and step. gloo runs FSDP2's reduce-scatter as an
+  all-reduce, measure/harness.py's sent_by_ring), per rank and step. gloo runs FSDP2's reduce-scatter as an
   all-reduce of the whole tensor, so its bytes are an all-reduce's.
 Then, per run:
 - compute: the step time of the same chapter at world size 1 with the same per-rank batch (a run on its own);
@@ -131,7 +131,7 @@ WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)", "by
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
 
 def as_collective(event, ranks):
-    """One of gloo's collectives as the profiler saw it, in the form of strategy_table's records (for sent_by_ring)."""
+    """One of gloo's collectives as the profiler saw it, as the flight recorder logs one (for sent_by_ring)."""
     shape = (event.input_shapes or [[]])[0]
     dtype = PROFILER_DTYPES.get((getattr(event, "input_dtypes", None) or ["float"])[0], "Float")
     kind = event.name.split(":", 1)[1]
@@ -203,10 +203,7 @@ def chapter_args(batch, flags, out, data_dir, steps):
 def collect(out, ranks, procs, what):
     """Wait for procs (a run's launchers); every rank's measurement, or FatalError with the run's last lines."""
     harness.wait_for(procs, what)
-    records = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
-    if len(records) != ranks:
-        raise FatalError(f"{what} left {len(records)} measurements for {ranks} ranks")
-    return records
+    return harness.records(out, ranks, what)
 
 
 def worker_command(row, out, steps):

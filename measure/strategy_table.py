@@ -123,10 +123,7 @@ def run(chapter, extra, ranks, steps, data_dir):
     alone = ranks == 1 and chapter == "single_gpu.py"
     harness.run(harness.torchrun(None if alone else ranks, [*harness.worker_command(__file__, chapter, out), *args]),
                 f"{chapter} at {ranks} rank(s)", harness.env(TORCH_FR_BUFFER_SIZE="100000", OMP_NUM_THREADS="1"))
-    records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    if len(records) != ranks:
-        raise FatalError(f"{chapter} at {ranks} rank(s) left {len(records)} records")
-    return records
+    return harness.records(out, ranks, f"{chapter} at {ranks} rank(s)")
 
 
 def per_step(short, long):
