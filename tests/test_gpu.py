@@ -296,7 +296,7 @@ def test_timeline_shows_one_step_on_the_gpu(tmp_path):
     all-reduce may launch no kernel, so its bar may be its CPU op's)."""
     import json
     from test_timeline import COLLECTIVES, recorded_steps
-    from timeline import collective_bytes, is_collective
+    from measure.timeline import collective_bytes, is_collective
     proc = subprocess.run([sys.executable, "measure/timeline.py", "ddp_launch.py", "--nproc", "1", "--no-baseline",
                            "--out", str(tmp_path)], cwd=REPO, env=BASE_ENV if DRY_RUN else ONE_GPU,
                           capture_output=True, text=True, timeout=300)

@@ -10,9 +10,7 @@ import sys
 import pytest
 
 from conftest import BASE_ENV, REPO
-
-sys.path.insert(0, str(REPO / "scripts"))
-from timeline import collective_bytes, merge, step_events  # noqa: E402
+from measure.timeline import collective_bytes, merge, step_events
 
 # One step's collectives at 2 ranks, in bytes (each collective's input on one rank), as docs/scaling.md's pictures.
 # DDP: its two buckets' all-reduces (the last layers' 267,786 floats, then the first layer's 401,920); by hand one
