@@ -14,7 +14,7 @@ from common.cli import FatalError, flag
 # needs at least 2 (DDP rebuilds its buckets after step 1, and the residuals it keeps are per bucket); a later start
 # spares the first steps the compression, and on a slow link costs the whole gradient's bytes in each of them. For
 # this model 2 trains as well as torch's default, 1,000: 64.8% and 64.9% after 5 epochs at rank 1, chapter 1 64.9%
-# (scripts/scaling.py --accuracy, docs/scaling.md).
+# (measured by the sweep's accuracy runs, since replaced by measure/scaling.py --whole; docs/scaling.md).
 POWERSGD_START = 2
 # With PowerSGD the chapters ask DDP for one bucket of up to 25 MiB (the whole 2.6 MB gradient) from the first step:
 # PowerSGD keeps its residuals and factors per bucket index, and DDP's default buckets change after the first step

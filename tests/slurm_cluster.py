@@ -1,6 +1,6 @@
 """A real SLURM cluster (munged + slurmctld + one slurmd per node) in a temporary directory, for tests.
 
-LocalSlurm is one node on 127.0.0.1; TwoNodeSlurm is two nodes, each a network namespace of scripts/netns.py with
+LocalSlurm is one node on 127.0.0.1; TwoNodeSlurm is two nodes, each a network namespace of measure/netns.py with
 its own address and host name (nodea runs slurmctld too).
 """
 import getpass
@@ -493,7 +493,7 @@ class TwoNodeSlurm(LocalSlurm):
     """
 
     def __init__(self, workdir, net, **kwargs):
-        from scripts.netns import NODES
+        from measure.netns import NODES
 
         super().__init__(workdir, **kwargs)
         self.net = net

@@ -234,7 +234,7 @@ def spawn_preflight(monkeypatch):
 
 def spawn_benchmark_floor(monkeypatch):
     from argparse import Namespace
-    from scripts import benchmark
+    from measure import benchmark
     benchmark.case_ddp_floor(Namespace(nprocs=2))
 
 

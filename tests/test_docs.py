@@ -37,7 +37,7 @@ NOT_RUN_HERE = [
     (r"(^|\s)(sbatch|sinfo|squeue|scontrol)(\s|$)|^cat fmnist-", "needs a SLURM cluster: tests/test_slurm.py submits "
                                                            "job.sh and job_torchrun.sh with the CPU overrides"),
     (r"benchmark\.py --before", "needs a second checkout beside this one (a git worktree of main)"),
-    (r"scripts/scaling\.py", "needs root and network namespaces, and the sweep takes minutes: tests/test_scaling.py runs "
+    (r"measure/scaling\.py", "needs root and network namespaces, and the sweep takes minutes: tests/test_scaling.py runs "
                               "its DDP and FSDP2 rows at 100 Mbit/s and checks their numbers"),
     (r"timeline\.py .*--link", "needs root and network namespaces: tests/test_timeline.py runs it and checks that the "
                                "link held the all-reduces back"),
@@ -85,7 +85,7 @@ def reason_not_run(command):
 def runnable(command, data_dir, port):
     """The command as the test runs it: the chapters on a slice of the data, the benchmark on two rows."""
     command = CHAPTER.sub(lambda m: f"{m.group(1)} --data-dir {data_dir} {SLICE}", command)
-    command = re.sub(r"(scripts/benchmark\.py[^;&|]*)", r"\1 --epochs 1 --cases single_gpu,floor ", command)
+    command = re.sub(r"(measure/benchmark\.py[^;&|]*)", r"\1 --epochs 1 --cases single_gpu,floor ", command)
     if "kill -9" in command:  # the kill demos: an epoch of the slice takes a fraction of a second, so kill sooner
         command = re.sub(r"sleep \d+;", "sleep 0.05;", command.replace("sleep 0.5;", "sleep 0.02;"))
     return command.replace("29500", str(port))
@@ -93,8 +93,8 @@ def runnable(command, data_dir, port):
 
 @pytest.fixture
 def workspace(tmp_path):
-    """A scratch folder where `python single_gpu.py`, `scripts/...`, `common` and `data` resolve to this repository."""
-    for entry in [*REPO.glob("*.py"), REPO / "common", REPO / "scripts", REPO / "data"]:
+    """A scratch folder where `python single_gpu.py`, `scripts/...`, `measure/...`, `common` and `data` resolve to this repository."""
+    for entry in [*REPO.glob("*.py"), REPO / "common", REPO / "scripts", REPO / "measure", REPO / "data"]:
         if entry.exists():
             (tmp_path / entry.name).symlink_to(entry)
     return tmp_path

@@ -290,14 +290,14 @@ def test_a_resumed_run_on_cuda_is_the_uninterrupted_one(twin, real_data, tmp_pat
 
 
 def test_timeline_shows_one_step_on_the_gpu(tmp_path):
-    """scripts/timeline.py on one GPU (NCCL, one rank): each recorded step holds DDP's two buckets' all-reduces once
+    """measure/timeline.py on one GPU (NCCL, one rank): each recorded step holds DDP's two buckets' all-reduces once
     each (torch's trace holds each NCCL collective twice: its CPU op and a GPU copy), with their bytes; the GPU's own
     kernels run inside the step, and the drawn step's compute and wire are the GPU's (docs/tests.md: a 1-rank
     all-reduce may launch no kernel, so its bar may be its CPU op's)."""
     import json
     from test_timeline import COLLECTIVES, recorded_steps
-    from timeline import collective_bytes, is_collective
-    proc = subprocess.run([sys.executable, "scripts/timeline.py", "ddp_launch.py", "--nproc", "1", "--no-baseline",
+    from measure.timeline import collective_bytes, is_collective
+    proc = subprocess.run([sys.executable, "measure/timeline.py", "ddp_launch.py", "--nproc", "1", "--no-baseline",
                            "--out", str(tmp_path)], cwd=REPO, env=BASE_ENV if DRY_RUN else ONE_GPU,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -12,7 +12,7 @@ import pytest
 
 from ports import free_port
 from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, slice_args
-from scripts.netns import IFNAME, NODES, TwoMachines, why_not
+from measure.netns import IFNAME, NODES, TwoMachines, why_not
 from test_ddp import SAME_MODEL
 from test_faults import Watched, args_for, worker_with_rank
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import load_state, max_abs_diff, torchrun_script
-from scripts.netns import NODES
+from measure.netns import NODES
 from test_faults import Watched, args_for
 from test_multinode import NODE_ENV, tcp_nodes, torchrun_nodes, two_machines  # noqa: F401
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO, TORCHRUN
-from scripts.netns import IFNAME, NODES, TwoMachines
+from measure.netns import IFNAME, NODES, TwoMachines
 from test_multinode import NODE_ENV, PORT, need_namespaces
 
 OK = re.compile(r"^preflight: OK: 2 ranks on (\d) hosts? \((.+)\); 16 MiB all_reduce (\d+\.\d+) GB/s, broadcast "

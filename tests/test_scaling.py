@@ -1,4 +1,4 @@
-"""scripts/scaling.py and the shaped link under it: the link is no faster than its rate, the script's numbers come
+"""measure/scaling.py and the shaped link under it: the link is no faster than its rate, the script's numbers come
 from the run, and DDP over a slow link still trains chapter 1's model. Nothing here asserts how fast this machine is:
 only what the link's rate forbids (less time than its floor) and what the strategies must send."""
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import BASE_ENV, REPO, load_state, max_abs_diff, slice_args
-from scripts.netns import NODES, burst_bytes, tc_bits
+from measure.netns import NODES, burst_bytes, tc_bits
 from test_ddp import SAME_MODEL
 from test_multinode import accuracy_lines, need_namespaces, run_on_both, torchrun_nodes, two_machines  # noqa: F401
 
@@ -147,18 +147,18 @@ LINE = {"ddp": r"DDP \(chapter 3\) at 100 Mbit/s: communication [\d.]+x its floo
 
 @pytest.fixture(scope="module")
 def scaling(real_data, tmp_path_factory):
-    """scripts/scaling.py's DDP and FSDP2 rows at 100 Mbit/s (DDP alone where fsdp.py cannot run): JSON and report."""
+    """measure/scaling.py's DDP and FSDP2 rows at 100 Mbit/s (DDP alone where fsdp.py cannot run): JSON and report."""
     need_namespaces()
     out = tmp_path_factory.mktemp("scaling") / "scaling.json"
     rows = "single,ddp,bf16" + (",fsdp" if hasattr(torch.cpu.Stream, "record_event") else "") + (
         ",powersgd" if EVERY_THREAD else "")
-    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--rows", rows, "--rates", "100mbit",
+    proc = subprocess.run([sys.executable, "measure/scaling.py", "--rows", rows, "--rates", "100mbit",
                            "--data-dir", str(real_data), "--json", str(out)], cwd=REPO, env=BASE_ENV,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode and "cannot shape the link" in proc.stderr:
         cannot_shape(proc.stderr.strip())
     assert proc.returncode == 0, proc.stderr
-    from scripts.scaling import derive
+    from measure.scaling import derive
     measured = json.loads(out.read_text())
     return {r["row"]: r for r in derive(measured)}, proc.stdout
 
@@ -200,7 +200,7 @@ def test_no_run_in_docs_crossed_the_link_faster_than_its_rate():
     """docs/scaling.json, which docs/scaling.md's steady-state tables and pictures come from, holds no run whose
     communication took less than its bytes' wire time (the sweep ran before the burst was cut: its PowerSGD runs at
     10 Mbit/s crossed faster than the rate and were taken out)."""
-    from scripts.scaling import derive
+    from measure.scaling import derive
     results = derive(json.loads((REPO / "docs" / "scaling.json").read_text()))
     shaped = [r for r in results if r["floor"]]
     assert shaped and all(r["communication"] >= r["floor"] for r in shaped), \
@@ -215,7 +215,7 @@ def test_gloo_sends_nothing_until_the_peer_is_ready_to_receive(tmp_path):
     burst); gloo's all-gather posts each half send first, so the early rank starts a half late (1.5x)."""
     need_namespaces()
     out = tmp_path / "order.json"
-    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--order", "10mbit", "--json", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "measure/scaling.py", "--order", "10mbit", "--json", str(out)], cwd=REPO,
                           env=BASE_ENV, capture_output=True, text=True, timeout=300)
     if proc.returncode and "cannot shape the link" in proc.stderr:
         cannot_shape(proc.stderr.strip())
@@ -229,7 +229,7 @@ def test_gloo_sends_nothing_until_the_peer_is_ready_to_receive(tmp_path):
 
 
 def test_a_congestion_control_the_kernel_lacks_is_one_line():
-    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--order", "--congestion-control", "nosuch"],
+    proc = subprocess.run([sys.executable, "measure/scaling.py", "--order", "--congestion-control", "nosuch"],
                           cwd=REPO, env=BASE_ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout == "", proc
     assert re.fullmatch(r"error: --congestion-control nosuch is not in this kernel; it has [a-z0-9 ]+\n", proc.stderr)
@@ -237,10 +237,10 @@ def test_a_congestion_control_the_kernel_lacks_is_one_line():
 
 @pytest.fixture(scope="module")
 def whole(real_data, tmp_path_factory):
-    """scripts/scaling.py --whole: chapter 1 and PowerSGD at 100 Mbit/s, each run twice: (JSON, report)."""
+    """measure/scaling.py --whole: chapter 1 and PowerSGD at 100 Mbit/s, each run twice: (JSON, report)."""
     need_namespaces()
     out = tmp_path_factory.mktemp("whole") / "whole.json"
-    proc = subprocess.run([sys.executable, "scripts/scaling.py", "--whole", "--rows", "single,powersgd", "--rates",
+    proc = subprocess.run([sys.executable, "measure/scaling.py", "--whole", "--rows", "single,powersgd", "--rates",
                            "100mbit", "--repeats", "2", "--data-dir", str(real_data), "--json", str(out)], cwd=REPO,
                           env=BASE_ENV, capture_output=True, text=True, timeout=900)
     if proc.returncode and "cannot shape the link" in proc.stderr:

@@ -1,7 +1,7 @@
 """SLURM for real clusters: a job warned before its time limit requeues itself and resumes; a two-node cluster.
 
 The warning is what `#SBATCH --signal=B:USR1@180` sends: SIGUSR1 to the batch script (`scancel --signal=USR1 --batch`
-sends the same, mid-epoch). The two nodes are two network namespaces (scripts/netns.py) with their own addresses and
+sends the same, mid-epoch). The two nodes are two network namespaces (measure/netns.py) with their own addresses and
 host names, each running a slurmd (tests/slurm_cluster.py's TwoNodeSlurm).
 """
 import os
@@ -12,7 +12,7 @@ import pytest
 
 from scripts.plot_curves import read_metrics
 from conftest import assert_same_curves, load_state, max_abs_diff, slice_args
-from scripts.netns import IFNAME, TwoMachines, why_not
+from measure.netns import IFNAME, TwoMachines, why_not
 from test_ddp import SAME_MODEL
 from test_slurm import CPU_JOB, CPU_TORCHRUN_JOB, accuracy_lines, submit
 

@@ -1,4 +1,4 @@
-"""scripts/strategy_table.py: its numbers come from the runs, agree with what the strategies must hold and send, and
+"""measure/strategy_table.py: its numbers come from the runs, agree with what the strategies must hold and send, and
 the README's table is the script's output."""
 import re
 import subprocess
@@ -22,7 +22,7 @@ def kib(n):
 @pytest.fixture(scope="module")
 def table(real_data):
     """The script's table for DDP, tensor parallel and the pipeline at 2 and 4 ranks: {(strategy, ranks): its cells}."""
-    proc = subprocess.run([sys.executable, "scripts/strategy_table.py", "--rows", "ddp,tp,pp", "--ranks", "2,4",
+    proc = subprocess.run([sys.executable, "measure/strategy_table.py", "--rows", "ddp,tp,pp", "--ranks", "2,4",
                            "--data-dir", str(real_data)], cwd=REPO, env=BASE_ENV, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -49,7 +49,7 @@ def test_the_numbers_are_what_each_strategy_must_hold_and_send(table):
 def test_the_readme_table_is_the_scripts_output(table):
     """The README's rows for the same strategies are the ones the script prints (written by --write, not by hand)."""
     readme = (REPO / "README.md").read_text()
-    block = readme.split("<!-- strategy table: made by scripts/strategy_table.py --write README.md -->")[1]
+    block = readme.split("<!-- strategy table: made by measure/strategy_table.py --write README.md -->")[1]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines() if re.match(r"\| \w", line)]
     for (name, ranks), cells in table.items():
         twin = [row for row in rows if row[0] == name and row[1] == ranks]

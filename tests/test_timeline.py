@@ -1,4 +1,4 @@
-"""scripts/timeline.py: each rank's trace holds the collectives its strategy makes in a step, with their bytes, when;
+"""measure/timeline.py: each rank's trace holds the collectives its strategy makes in a step, with their bytes, when;
 a pipeline's trace holds each stage's micro-batches in the order the chapter prints; every rank is on one clock, so
 the merged trace obeys physics (nothing received before it was sent) in every recorded step."""
 import json
@@ -10,9 +10,7 @@ import sys
 import pytest
 
 from conftest import BASE_ENV, REPO
-
-sys.path.insert(0, str(REPO / "scripts"))
-from timeline import collective_bytes, merge, step_events  # noqa: E402
+from measure.timeline import collective_bytes, merge, step_events
 
 # One step's collectives at 2 ranks, in bytes (each collective's input on one rank), as docs/scaling.md's pictures.
 # DDP: its two buckets' all-reduces (the last layers' 267,786 floats, then the first layer's 401,920); by hand one
@@ -43,8 +41,8 @@ IN_FORWARD = {"fsdp.py": "all_gather", "tensor_parallel.py": "all_reduce"}
 
 
 def timeline(tmp_path, chapter, *flags, ranks=2, baseline=False):
-    """scripts/timeline.py on loopback, its defaults: (the merged trace's events, what the chapter printed)."""
-    proc = subprocess.run([sys.executable, "scripts/timeline.py", chapter, "--nproc", str(ranks), "--out",
+    """measure/timeline.py on loopback, its defaults: (the merged trace's events, what the chapter printed)."""
+    proc = subprocess.run([sys.executable, "measure/timeline.py", chapter, "--nproc", str(ranks), "--out",
                            str(tmp_path), *([] if baseline else ["--no-baseline"]), "--", *flags], cwd=REPO,
                           env=BASE_ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -154,7 +152,7 @@ def test_timeline_across_two_machines_waits_for_the_link(tmp_path):
     in all, 107 ms at 100 Mbit/s), from the first one's start to the last one's end."""
     from test_multinode import need_namespaces
     need_namespaces()
-    proc = subprocess.run([sys.executable, "scripts/timeline.py", "ddp_launch.py", "--link", "100mbit", "--out",
+    proc = subprocess.run([sys.executable, "measure/timeline.py", "ddp_launch.py", "--link", "100mbit", "--out",
                            str(tmp_path)], cwd=REPO, env=BASE_ENV, capture_output=True, text=True, timeout=300)
     if "cannot shape" in proc.stderr:
         from test_scaling import cannot_shape
@@ -242,6 +240,6 @@ def test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once(tmp_path):
 
 def test_the_chapters_gain_no_profiling_line():
     """Profiling is the script's: no chapter and nothing in common/ starts a profiler or marks a range, so a chapter
-    run without scripts/timeline.py runs exactly as before it existed."""
+    run without measure/timeline.py runs exactly as before it existed."""
     for path in [*REPO.glob("*.py"), *REPO.glob("common/*.py")]:
         assert not re.search(r"profiler|record_function", path.read_text()), path

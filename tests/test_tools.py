@@ -114,7 +114,7 @@ def test_plot_curves_without_matplotlib_or_metrics_says_so(tmp_path):
 
 
 def bench(*args, env=None):
-    return subprocess.run([sys.executable, "scripts/benchmark.py", *map(str, args)], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "measure/benchmark.py", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env=env)
 
 
@@ -142,11 +142,18 @@ def test_benchmark_table_json_and_chart(real_data, tmp_path):
     assert again.returncode == 0 and [x for x in again.stdout.splitlines() if x.startswith("| (")] == rows
 
 
-def test_benchmark_hand_written_all_reduce_keeps_the_ranks_equal(real_data):
-    """Row (i) is what DDP automates: the mean gradient written back on every rank, so the replicas stay one model."""
-    proc = bench("--epochs", "1", "--rounds", "2", "--cases", "ddp_manual", "--data-dir", real_data)
+def test_benchmark_times_chapter_3b_itself_beside_ddp(real_data, tmp_path):
+    """Row (i) is ddp_by_hand.py under torchrun, as a reader runs chapter 3b (no copy of its step): it trains DDP's
+    model (row (f)'s test accuracy), and its time is shown against DDP's."""
+    js = tmp_path / "b.json"
+    proc = bench("--epochs", "1", "--cases", "torchrun_2,ddp_manual", "--data-dir", real_data, "--json", js)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "largest difference 0.000e+00 (target 0): PASS" in proc.stdout, proc.stdout
+    f, i = json.loads(js.read_text())["cases"]
+    assert (f["key"], i["key"], i["ranks"]) == ("torchrun_2", "ddp_manual", 2)
+    assert "ddp_by_hand.py" in i["command"] and "torch.distributed.run" in i["command"], i["command"]
+    assert i["accuracy"] == f["accuracy"] and i["accuracy"] is not None
+    assert (f"(i) torchrun ddp_by_hand.py / (f) torchrun ddp_launch.py = {i['best_seconds'] / f['best_seconds']:.2f} "
+            f"(no target)") in proc.stdout, proc.stdout
 
 
 def test_benchmark_without_matplotlib_still_reports(tmp_path):

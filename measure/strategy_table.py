@@ -1,8 +1,8 @@
 """What each strategy holds and sends, measured: runs the chapters and writes the README's table.
 
-    python scripts/strategy_table.py                      # every row (about 4 minutes on 2 CPU cores), printed
-    python scripts/strategy_table.py --write README.md    # and put into README.md between its table markers
-    python scripts/strategy_table.py --rows ddp,tp --ranks 2     # some rows
+    python measure/strategy_table.py                      # every row (about 4 minutes on 2 CPU cores), printed
+    python measure/strategy_table.py --write README.md    # and put into README.md between its table markers
+    python measure/strategy_table.py --rows ddp,tp --ranks 2     # some rows
 
 Each row runs its chapter unchanged under torchrun (chapter 1 alone) on the CPU with gloo, twice: 4 and 8 optimizer
 steps of the default 64-image batch, SGD with --momentum 0.9 so the optimizer holds a velocity per weight. Whatever
@@ -23,17 +23,18 @@ Each rank writes one JSON file; the table shows the largest rank's numbers (pipe
 """
 import argparse
 import json
-import math
-import os
 import pickle
 import re
-import runpy
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for measure/ and common/
+
+from common.cli import FatalError, run_main  # noqa: E402
+from measure import harness  # noqa: E402
+from measure.harness import kib, sent_by_ring  # noqa: E402
+
 STEPS = (4, 8)  # optimizer steps of the two runs; their difference is 4 steps
 BATCH = 64
 ROWS = {  # name: (chapter, extra flags, ranks it runs at, what it is, use it when)
@@ -54,9 +55,7 @@ ROWS = {  # name: (chapter, extra flags, ranks it runs at, what it is, use it wh
            "the model is deep and the links are slow: only the activations at the cuts travel, but a stage waits "
            "while the pipeline fills and drains, less the more micro-batches"),
 }
-DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
-               "Byte": 1, "Bool": 1}
-MARK = "<!-- strategy table: made by scripts/strategy_table.py --write README.md -->"
+MARK = "<!-- strategy table: made by measure/strategy_table.py --write README.md -->"
 
 
 # --- Inside each rank: record, run the chapter, write what was recorded ---
@@ -67,24 +66,22 @@ def _local_bytes(t):
     return t.numel() * t.element_size()
 
 
-def worker(chapter, out, args):
-    """Run chapter with args in this process, recording its communication and what it holds; write out/<rank>.json."""
+def worker(known, args):
+    """Run the chapter with args in this process, recording its communication and what it holds; write
+    out/<rank>.json."""
     import torch
     import torch.distributed as dist
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    import common.cli
 
     held, sends, trace = {}, [], {}
 
-    def after_step(optimizer, *_):
+    def after_step(n, optimizer):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         held.update(params=sum(map(_local_bytes, params)),
                     grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
                     optimizer=sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values()
                                   if isinstance(v, torch.Tensor)))
 
-    register_optimizer_step_post_hook(after_step)
+    harness.after_steps(after_step)
 
     class CountedP2POp(dist.P2POp):  # the pipeline builds one per send or receive
         def __init__(self, op, tensor, *rest, **kw):
@@ -102,41 +99,20 @@ def worker(chapter, out, args):
         return destroy(*a, **kw)
 
     dist.destroy_process_group = read_the_record_then_destroy
-    end = common.cli.end_process
 
-    def write_then_end(code):
+    def write(code):
         sizes = trace.get("sizes", {})
         collectives = [dict(kind=e["profiling_name"].split(":")[-1], ranks=sizes[e["process_group"][0]],
                             sizes=e["input_sizes"], out_sizes=e["output_sizes"], dtypes=e["input_dtypes"])
                        for e in trace.get("entries", [])]
-        rank = int(os.environ.get("RANK", 0))
-        Path(out, f"{rank}.json").write_text(json.dumps(dict(held=held, collectives=collectives, sends=sends)))
-        end(code)
+        Path(known.out, f"{harness.rank()}.json").write_text(json.dumps(dict(held=held, collectives=collectives,
+                                                                             sends=sends)))
+        return code
 
-    common.cli.end_process = write_then_end
-    sys.argv = [chapter, *args]
-    sys.path.insert(0, str(REPO))
-    runpy.run_path(str(REPO / chapter), run_name="__main__")
+    harness.run_chapter(known.worker, args, write)
 
 
 # --- The driver: run each row twice, take the difference, make the table ---
-
-def sent_by_ring(c):
-    """Bytes one rank sends for one recorded collective, as a ring algorithm moves them."""
-    n = c["ranks"]
-    size = lambda shapes: sum(math.prod(s) * DTYPE_BYTES.get(d, 4) for s, d in zip(shapes, c["dtypes"]))
-    if n < 2:
-        return 0
-    if c["kind"] in ("all_reduce", "allreduce"):
-        return 2 * (n - 1) / n * size(c["sizes"])
-    if c["kind"] in ("all_gather", "_allgather_base", "allgather", "all_gather_into_tensor"):
-        return (n - 1) / n * size(c["out_sizes"])
-    if c["kind"] in ("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor"):
-        return (n - 1) / n * size(c["sizes"])
-    if c["kind"] == "broadcast":
-        return size(c["sizes"])
-    return 0
-
 
 def run(chapter, extra, ranks, steps, data_dir):
     """One run of chapter at ranks with `steps` optimizer steps: every rank's record."""
@@ -144,17 +120,10 @@ def run(chapter, extra, ranks, steps, data_dir):
     args = ["--train-samples", str(steps * BATCH), "--test-samples", str(BATCH), "--batch-size", str(BATCH),
             "--epochs", "1", "--log-every", "1000", "--momentum", "0.9", "--device", "cpu", "--output", str(out / "run"),
             *(["--data-dir", data_dir] if data_dir else []), *extra]
-    me = [str(Path(__file__).resolve()), "--worker", chapter, "--record", str(out), "--"]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-                if ranks > 1 or chapter != "single_gpu.py" else [sys.executable])
-    env = dict(os.environ, TORCH_FR_BUFFER_SIZE="100000", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([*launcher, *me, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        sys.exit(f"error: {chapter} at {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
-    records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-    if len(records) != ranks:
-        sys.exit(f"error: {chapter} at {ranks} rank(s) left {len(records)} records")
-    return records
+    alone = ranks == 1 and chapter == "single_gpu.py"
+    harness.run(harness.torchrun(None if alone else ranks, [*harness.worker_command(__file__, chapter, out), *args]),
+                f"{chapter} at {ranks} rank(s)", harness.env(TORCH_FR_BUFFER_SIZE="100000", OMP_NUM_THREADS="1"))
+    return harness.records(out, ranks, f"{chapter} at {ranks} rank(s)")
 
 
 def per_step(short, long):
@@ -187,10 +156,6 @@ def measure(name, ranks, data_dir):
     return dict(name=name, ranks=ranks, held=held, kinds=kinds, sent=sent)
 
 
-def kib(n):
-    return f"{n / 1024:,.0f}"
-
-
 def table(results):
     lines = ["| strategy | ranks | weights KiB | gradients KiB | optimizer KiB | collectives per step | sent per step KiB "
              "| use it when |", "|---|---|---|---|---|---|---|---|"]
@@ -208,17 +173,13 @@ def write_into(path, text):
     doc = Path(path).read_text()
     pattern = re.compile(re.escape(MARK) + r"\n(?:.*?\n)?" + re.escape(MARK), re.S)
     if not pattern.search(doc):
-        sys.exit(f"error: {path} has no pair of lines `{MARK}` to write the table between")
+        raise FatalError(f"{path} has no pair of lines `{MARK}` to write the table between")
     Path(path).write_text(pattern.sub(lambda m: f"{MARK}\n{text}\n{MARK}", doc))
 
 
 def main():
     if "--worker" in sys.argv:  # inside one rank of a run
-        p = argparse.ArgumentParser()
-        p.add_argument("--worker")
-        p.add_argument("--record")
-        known, rest = p.parse_known_args()
-        return worker(known.worker, known.record, rest[1:] if rest[:1] == ["--"] else rest)
+        return worker(*harness.worker_args())
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default=",".join(ROWS), help=f"rows to measure, of {','.join(ROWS)} (default all)")
     p.add_argument("--ranks", default=None, help="only these rank counts, e.g. 2 or 2,4 (default: each row's own)")
@@ -239,12 +200,10 @@ def main():
                 print(f"measured {name} at {ranks} rank(s)", file=sys.stderr, flush=True)
     text = table(results)
     print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    harness.write_json(args.json, results)
     if args.write:
         write_into(args.write, text)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

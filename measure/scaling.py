@@ -1,15 +1,15 @@
 """Why is DDP slower than one process? Two machines on a link of a known rate, each step split into compute and
 communication, and the communication against the least time the link allows.
 
-    python scripts/scaling.py                                   # the sweep (about 4 minutes on 2 CPU cores)
-    python scripts/scaling.py --whole                           # whole 5-epoch runs, 3 of each, with accuracy (15 min)
-    python scripts/scaling.py --json runs/scaling.json --png docs/scaling.png
-    python scripts/scaling.py --rows ddp --rates 10mbit,100mbit # some of it
-    python scripts/scaling.py --from-json runs/scaling.json --png docs/scaling.png   # the table and chart again
-    python scripts/scaling.py --rows ddp,fsdp --rates 10mbit --congestion-control bbr   # another TCP
-    python scripts/scaling.py --order                           # why gloo's all-gather misses the floor (15 s)
+    python measure/scaling.py                                   # the sweep (about 4 minutes on 2 CPU cores)
+    python measure/scaling.py --whole                           # whole 5-epoch runs, 3 of each, with accuracy (15 min)
+    python measure/scaling.py --json runs/scaling.json --png docs/scaling.png
+    python measure/scaling.py --rows ddp --rates 10mbit,100mbit # some of it
+    python measure/scaling.py --from-json runs/scaling.json --png docs/scaling.png   # the table and chart again
+    python measure/scaling.py --rows ddp,fsdp --rates 10mbit --congestion-control bbr   # another TCP
+    python measure/scaling.py --order                           # why gloo's all-gather misses the floor (15 s)
 
-Needs root and iproute2: the two machines are network namespaces joined by a veth pair (scripts/netns.py), one
+Needs root and iproute2: the two machines are network namespaces joined by a veth pair (measure/netns.py), one
 rank on each, and `tc qdisc ... tbf` on both ends limits each direction of the link to the rate. tbf shapes the
 rate only: netem, which adds delay, is not in every kernel (not in this project's), so the link is slow, not far.
 Both machines run TCP reno unless --congestion-control names another: every kernel lets a namespace pick reno, and
@@ -22,7 +22,7 @@ and one thread per rank, for WARMUP optimizer steps and then STEPS measured ones
 - communication: the time gloo's threads spent in collectives, from torch's profiler (its gloo:* events, each
   timed on the thread that ran it), the union of those intervals, per step;
 - bytes: the sizes of the same events (record_shapes), counted as a ring algorithm sends them (2(n-1)/n of an
-  all-reduce, scripts/strategy_table.py's rule), per rank and step. gloo runs FSDP2's reduce-scatter as an
+  all-reduce, measure/harness.py's sent_by_ring), per rank and step. gloo runs FSDP2's reduce-scatter as an
   all-reduce of the whole tensor, so its bytes are an all-reduce's.
 Then, per run:
 - compute: the step time of the same chapter at world size 1 with the same per-rank batch (a run on its own);
@@ -49,57 +49,59 @@ no_sync micro-batches of --accum-steps.
 import argparse
 import json
 import math
-import os
-import platform
-import runpy
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from statistics import mean, median
+from typing import NamedTuple
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # `python scripts/scaling.py` puts scripts/, not the repo root, on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for measure/ and common/
 
 from common.cli import FatalError, run_main  # noqa: E402
 from common.ranks import destroy_process_group  # noqa: E402
-from scripts.netns import IFNAME, NODES, TwoMachines, tc_bits, why_not  # noqa: E402
-from scripts.strategy_table import sent_by_ring  # noqa: E402
+from measure import harness  # noqa: E402
+from measure.harness import NODES, PORT, PROFILER_DTYPES, RATES, kib, sent_by_ring, write_json  # noqa: E402
+from measure.netns import tc_bits  # noqa: E402
 
 WARMUP = 3  # optimizer steps before the measurement (allocations, the buckets' first all-reduces)
 STEPS = {None: 10, "unlimited": 10, "1gbit": 10, "100mbit": 5, "10mbit": 5}  # measured, per link (None: alone)
 SHORT_STEPS = 20  # measured at every link for a row whose steps send little (PowerSGD's): their times vary more
 BATCH = 1024  # global batch: 512 images per rank, enough compute per step to hide some communication behind
-RATES = {"unlimited": None, "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
-ROWS = {  # name: (chapter, its flags, global batch, DDP's bucket_cap_mb or None, link rates, what it is, short)
-    "single": ("single_gpu.py", [], BATCH, None, (), "chapter 1, one process", "chapter 1"),
-    "ddp": ("ddp_launch.py", [], BATCH, None, tuple(RATES), "DDP (chapter 3)", "DDP"),
-    "accum": ("ddp_launch.py", ["--accum-steps", "4"], 4 * BATCH, None, tuple(RATES),
-              "DDP, --accum-steps 4, 4x the batch", "DDP\naccum 4"),
-    "bucket25": ("ddp_launch.py", [], BATCH, 25, ("1gbit", "100mbit"), "DDP, one bucket (bucket_cap_mb=25)",
-                 "DDP\n1 bucket"),
-    "fsdp": ("fsdp.py", [], BATCH, None, tuple(RATES), "FSDP2 (chapter 7)", "FSDP2"),
+
+
+class Row(NamedTuple):
+    chapter: str
+    flags: list
+    rates: tuple  # the links it runs on (besides world size 1)
+    what: str  # its name in the table
+    short: str  # its label in the chart
+    batch: int = BATCH  # global
+    bucket_cap_mb: float = None  # DDP's, where not its default
+
+
+ROWS = {
+    "single": Row("single_gpu.py", [], (), "chapter 1, one process", "chapter 1"),
+    "ddp": Row("ddp_launch.py", [], tuple(RATES), "DDP (chapter 3)", "DDP"),
+    "accum": Row("ddp_launch.py", ["--accum-steps", "4"], tuple(RATES), "DDP, --accum-steps 4, 4x the batch",
+                 "DDP\naccum 4", batch=4 * BATCH),
+    "bucket25": Row("ddp_launch.py", [], ("1gbit", "100mbit"), "DDP, one bucket (bucket_cap_mb=25)", "DDP\n1 bucket",
+                    bucket_cap_mb=25),
+    "fsdp": Row("fsdp.py", [], tuple(RATES), "FSDP2 (chapter 7)", "FSDP2"),
     # The remedies for a slow link: torch's communication hooks (--comm-hook), alone and with accumulation.
-    "bf16": ("ddp_launch.py", ["--comm-hook", "bf16"], BATCH, None, tuple(RATES), "DDP, --comm-hook bf16",
-             "DDP\nbf16"),
-    "powersgd": ("ddp_launch.py", ["--comm-hook", "powersgd"], BATCH, None, tuple(RATES),
-                 "DDP, --comm-hook powersgd (rank 1)", "DDP\nPowerSGD 1"),
-    "powersgd4": ("ddp_launch.py", ["--comm-hook", "powersgd:4"], BATCH, None, tuple(RATES),
-                  "DDP, --comm-hook powersgd:4", "DDP\nPowerSGD 4"),
-    "accum_powersgd": ("ddp_launch.py", ["--accum-steps", "4", "--comm-hook", "powersgd"], 4 * BATCH, None,
-                       ("10mbit",), "DDP, --accum-steps 4, 4x the batch, --comm-hook powersgd",
-                       "DDP accum 4\nPowerSGD 1"),
-    # For --accuracy only: PowerSGD from torch's default first compressed step, 1,000 (common/comm_hooks.py's 2).
-    "powersgd_late": ("ddp_launch.py", ["--comm-hook", "powersgd:1:1000"], BATCH, None, (),
-                      "DDP, --comm-hook powersgd:1:1000", "DDP\nPowerSGD late"),
+    "bf16": Row("ddp_launch.py", ["--comm-hook", "bf16"], tuple(RATES), "DDP, --comm-hook bf16", "DDP\nbf16"),
+    "powersgd": Row("ddp_launch.py", ["--comm-hook", "powersgd"], tuple(RATES), "DDP, --comm-hook powersgd (rank 1)",
+                    "DDP\nPowerSGD 1"),
+    "powersgd4": Row("ddp_launch.py", ["--comm-hook", "powersgd:4"], tuple(RATES), "DDP, --comm-hook powersgd:4",
+                     "DDP\nPowerSGD 4"),
+    "accum_powersgd": Row("ddp_launch.py", ["--accum-steps", "4", "--comm-hook", "powersgd"], ("10mbit",),
+                          "DDP, --accum-steps 4, 4x the batch, --comm-hook powersgd", "DDP accum 4\nPowerSGD 1",
+                          batch=4 * BATCH),
 }
 FLOOR_GOAL = 1.25  # measured communication / floor, at 10 and 100 Mbit/s
 REMEDIES = ("ddp", "accum", "bf16", "powersgd", "powersgd4", "accum_powersgd")
 SPEED_GOAL = {"100mbit": 1.3, "10mbit": 0.75}  # two ranks with a remedy against chapter 1's images/s
-ACCURACY_EPOCHS, ACCURACY_BATCH = 5, 64  # --accuracy: the quickstart's 5 epochs at its batch (x the row's factor)
-PORT = "29500"
 # --whole: whole runs as a user times them. The quickstart's 5 epochs on the full data at the sweep's global batch,
 # with the learning rate scaled as the batch (x16 of the quickstart's 64 and 1e-3): at 1e-3, batch 1,024 reaches
 # 20.8% after 5 epochs for everyone; at 0.016 chapter 1 reaches 64.8%, as at the quickstart's batch (64.9%).
@@ -128,22 +130,8 @@ WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)", "by
 
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
 
-def union_seconds(intervals, start, end):
-    """Seconds of [start, end] covered by at least one of the (a, b) intervals."""
-    covered, reach = 0.0, start
-    for a, b in sorted(intervals):
-        a, b = max(a, reach), min(b, end)
-        if b > a:
-            covered += b - a
-            reach = b
-    return covered
-
-
-PROFILER_DTYPES = {"float": "Float", "c10::BFloat16": "BFloat16", "c10::Half": "Half", "double": "Double"}
-
-
 def as_collective(event, ranks):
-    """One of gloo's collectives as the profiler saw it, in the form of strategy_table's records (for sent_by_ring)."""
+    """One of gloo's collectives as the profiler saw it, as the flight recorder logs one (for sent_by_ring)."""
     shape = (event.input_shapes or [[]])[0]
     dtype = PROFILER_DTYPES.get((getattr(event, "input_dtypes", None) or ["float"])[0], "Float")
     kind = event.name.split(":", 1)[1]
@@ -151,15 +139,13 @@ def as_collective(event, ranks):
     return dict(kind=kind, ranks=ranks, sizes=[shape], out_sizes=[gathered], dtypes=[dtype])
 
 
-def worker(chapter, out, bucket_cap_mb, measured, args):
-    """Run chapter with args in this process; measure `measured` optimizer steps after WARMUP; out/<rank>.json."""
+def worker(known, args):
+    """Run the chapter with args in this process; measure known.steps optimizer steps after WARMUP; out/<rank>.json."""
     import torch
     import torch.distributed as dist
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
-    import common.cli
-
+    chapter, bucket_cap_mb, measured = known.worker, known.bucket_cap_mb, known.steps
     if bucket_cap_mb is not None:  # the chapter's DDP(...) with another bucket size, its file unchanged
         ddp_init = torch.nn.parallel.DistributedDataParallel.__init__
 
@@ -168,35 +154,22 @@ def worker(chapter, out, bucket_cap_mb, measured, args):
 
         torch.nn.parallel.DistributedDataParallel.__init__ = init_with_bucket
 
-    # Every thread's collectives: PowerSGD starts its second and third all-reduce from a callback, on gloo's thread
-    # (profile_all_threads: torch 2.8 on; before it, those go uncounted).
-    try:
-        from torch._C._profiler import _ExperimentalConfig
-        every_thread = dict(experimental_config=_ExperimentalConfig(profile_all_threads=True))
-    except TypeError:
-        every_thread = {}
-    profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True, **every_thread)
-    steps, record = [0], {}
+    profiler, record = harness.profiler(), {}
 
-    def after_step(optimizer, *_):
-        steps[0] += 1
-        if steps[0] == WARMUP:
+    def after_step(n, optimizer):
+        if n == WARMUP:
             record["ranks"] = dist.get_world_size() if dist.is_initialized() else 1
             profiler.start()
-        if WARMUP <= steps[0] <= WARMUP + measured:
+        if WARMUP <= n <= WARMUP + measured:
             with record_function("scaling:step"):  # the steps' ends, on the profiler's own clock
                 pass
-        if steps[0] == WARMUP + measured:
+        if n == WARMUP + measured:
             profiler.stop()
 
-    register_optimizer_step_post_hook(after_step)
-    end = common.cli.end_process
+    done = harness.after_steps(after_step)
 
-    def write_then_end(code):
-        if code == 0 and steps[0] < WARMUP + measured:
-            print(f"error: {chapter} made {steps[0]} optimizer steps; the measurement needs {WARMUP + measured}",
-                  file=sys.stderr)
-            code = 1
+    def write(code):
+        code = code or harness.too_few_steps(chapter, done[0], WARMUP + measured)
         if code == 0:
             events = profiler.events()
             ends = sorted(e.time_range.start / 1e6 for e in events if e.name == "scaling:step")
@@ -205,18 +178,16 @@ def worker(chapter, out, bucket_cap_mb, measured, args):
 
             def timed(events):  # the union of the events' intervals in each step, and their ring bytes per step
                 spans = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events]
-                return dict(communication=[union_seconds(spans, a, b) for a, b in zip(ends, ends[1:])],
+                return dict(communication=[harness.union(spans, a, b) for a, b in zip(ends, ends[1:])],
                             ring_bytes=sum(sent_by_ring(as_collective(e, ranks)) for e in events) / measured)
 
             kinds = sorted({e.name.split(":", 1)[1] for e in gloo})
-            Path(out, f"{os.environ.get('RANK', '0')}.json").write_text(json.dumps(dict(
+            Path(known.out, f"{harness.rank()}.json").write_text(json.dumps(dict(
                 steps=[b - a for a, b in zip(ends, ends[1:])], ranks=ranks, **timed(gloo),
                 kinds={kind: timed([e for e in gloo if e.name == f"gloo:{kind}"]) for kind in kinds})))
-        end(code)
+        return code
 
-    common.cli.end_process = write_then_end
-    sys.argv = [chapter, *args]
-    runpy.run_path(str(REPO / chapter), run_name="__main__")
+    harness.run_chapter(chapter, args, write)
 
 
 # --- The driver ---
@@ -229,58 +200,27 @@ def chapter_args(batch, flags, out, data_dir, steps):
             *(["--data-dir", str(data_dir)] if data_dir else [])]
 
 
-def wait_for(procs, what, timeout=600):
-    """Wait for procs; their standard outputs, or FatalError with what failed and its last lines (all killed if one
-    outlasts timeout)."""
-    outputs, failed = [], []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise FatalError(f"{what} did not finish in {timeout} s") from None
-        outputs.append(out)
-        if p.returncode:
-            failed.append(err)
-    if failed:
-        raise FatalError(f"{what} failed:\n" + "\n".join(err[-2500:] for err in failed))
-    return outputs
-
-
 def collect(out, ranks, procs, what):
     """Wait for procs (a run's launchers); every rank's measurement, or FatalError with the run's last lines."""
-    wait_for(procs, what)
-    records = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
-    if len(records) != ranks:
-        raise FatalError(f"{what} left {len(records)} measurements for {ranks} ranks")
-    return records
+    harness.wait_for(procs, what)
+    return harness.records(out, ranks, what)
 
 
-def worker_command(chapter, out, bucket_cap_mb, steps):
-    return [str(Path(__file__).resolve()), "--worker", chapter, "--record", str(out), "--steps", str(steps),
-            *(["--bucket-cap-mb", str(bucket_cap_mb)] if bucket_cap_mb is not None else []), "--"]
-
-
-def env(**more):
-    # One thread per rank: the two "machines" share this machine's cores, as the world-size-1 run has one.
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-                PYTHONUNBUFFERED="1", **more)
+def worker_command(row, out, steps):
+    """The row's chapter inside this script's worker, measuring `steps` steps, its flags to follow."""
+    return harness.worker_command(__file__, row.chapter, out, steps=steps, bucket_cap_mb=row.bucket_cap_mb)
 
 
 def run_alone(name, data_dir, tmp):
     """A row's chapter at world size 1 with the per-rank batch of its 2-rank runs (chapter 1: the whole batch)."""
-    chapter, flags, batch, bucket = ROWS[name][:4]
+    row = ROWS[name]
     out = Path(tempfile.mkdtemp(prefix=f"{name}-alone-", dir=tmp))
-    if chapter == "single_gpu.py":
-        launcher = [sys.executable]
-    else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-        batch //= 2
-    cmd = [*launcher, *worker_command(chapter, out, bucket, STEPS[None]),
-           *chapter_args(batch, flags, out / "run", data_dir, STEPS[None])]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    return collect(out, 1, [proc], f"{chapter} at world size 1")[0]
+    alone = row.chapter == "single_gpu.py"
+    cmd = harness.torchrun(None if alone else 1, [
+        *worker_command(row, out, STEPS[None]),
+        *chapter_args(row.batch if alone else row.batch // 2, row.flags, out / "run", data_dir, STEPS[None])])
+    # One thread, as each rank on the two machines has
+    return collect(out, 1, [harness.start(cmd, harness.env(OMP_NUM_THREADS="1"))], f"{row.chapter} at world size 1")[0]
 
 
 def tcp_counters(net):
@@ -298,62 +238,25 @@ def tcp_counters(net):
 
 def run_on_two(name, rate, net, data_dir, tmp):
     """A row's chapter with one rank on each machine, over the link as it is shaped now."""
-    chapter, flags, batch, bucket = ROWS[name][:4]
-    steps = min(SHORT_STEPS, 60_000 // batch - WARMUP) if "powersgd" in " ".join(flags) else STEPS[rate]  # 60,000 images
+    row = ROWS[name]
+    # PowerSGD's short steps: more of them, as many as 60,000 images allow
+    steps = min(SHORT_STEPS, 60_000 // row.batch - WARMUP) if "powersgd" in " ".join(row.flags) else STEPS[rate]
     out = Path(tempfile.mkdtemp(prefix=f"{name}-two-", dir=tmp))
-    procs = torchrun_on_two(net, [*worker_command(chapter, out, bucket, steps),
-                                  *chapter_args(batch, flags, out / "run", data_dir, steps)])
-    return collect(out, 2, procs, f"{chapter} on two machines")
-
-
-def torchrun_on_two(net, script_and_args):
-    """torchrun on each machine, one rank each (nodea hosts the rendezvous): the two launchers, started."""
-    return [subprocess.Popen(net.command(node, [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(i),
-        "--master-addr", NODES["nodea"], "--master-port", PORT, *script_and_args]), cwd=REPO,
-        env=env(GLOO_SOCKET_IFNAME=IFNAME), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for i, node in enumerate(NODES)]
-
-
-@contextmanager
-def two_machines(congestion_control):
-    """The two machines, their TCP's congestion control set (None: the host's, as it is); one line if they cannot be."""
-    if congestion_control is not None:
-        kernel, allowed = (Path(f"/proc/sys/net/ipv4/tcp_{which}_congestion_control").read_text().split()
-                           for which in ("available", "allowed"))
-        if congestion_control not in kernel:
-            raise FatalError(f"--congestion-control {congestion_control} is not in this kernel; it has "
-                             f"{' '.join(kernel)}")
-        if congestion_control not in allowed:  # a namespace other than the host's may only pick from this list
-            raise FatalError(f"--congestion-control {congestion_control}: the host allows only {' '.join(allowed)} "
-                             f"in a namespace; as root: sysctl -w net.ipv4.tcp_allowed_congestion_control="
-                             f"'{' '.join(allowed)} {congestion_control}'")
-    reason = why_not()
-    if reason:
-        raise FatalError(f"cannot make the two machines: {reason}")
-    with TwoMachines() as net:
-        net.tcp = net.congestion_control(congestion_control)
-        yield net
-
-
-def shape(net, rate):
-    """The link shaped to rate (None: unlimited), or FatalError in one line if tc's tbf cannot shape it here."""
-    try:
-        net.shape(rate)
-    except RuntimeError as e:
-        raise FatalError(f"cannot shape the link to {rate} with tc's tbf: {e}") from None
+    procs = harness.torchrun_on_two(net, [*worker_command(row, out, steps),
+                                          *chapter_args(row.batch, row.flags, out / "run", data_dir, steps)])
+    return collect(out, 2, procs, f"{row.chapter} on two machines")
 
 
 def measure(rows, rates, data_dir, congestion_control=None):
     """Every chosen run: {"alone": {row: record}, "runs": [one dict per row and rate], "tcp": congestion control}."""
-    chosen = [(name, rate) for name in rows for rate in ROWS[name][4] if rate in rates]
+    chosen = [(name, rate) for name in rows for rate in ROWS[name].rates if rate in rates]
     alone, runs = {}, []
-    with tempfile.TemporaryDirectory(prefix="scaling-") as tmp, two_machines(congestion_control) as net:
+    with tempfile.TemporaryDirectory(prefix="scaling-") as tmp, harness.two_machines(congestion_control) as net:
         for name in rows:
             alone[name] = run_alone(name, data_dir, tmp)
             print(f"measured {name} at world size 1", file=sys.stderr, flush=True)
         for rate in rates:
-            shape(net, RATES[rate] and rate)
+            harness.shape(net, rate)
             for name in [n for n, r in chosen if r == rate]:
                 before = tcp_counters(net)
                 records = run_on_two(name, rate, net, data_dir, tmp)
@@ -415,13 +318,11 @@ def order_worker(rank, reps):
 
 def order(rate, reps, congestion_control=None):
     """--order: the time each way of swapping ORDER_NUMEL floats takes the late rank, at rate, against the floor."""
-    with two_machines(congestion_control) as net:
-        shape(net, rate)
-        procs = [subprocess.Popen(net.command(node, [sys.executable, str(Path(__file__).resolve()), "--order-worker",
-                                                     str(i), "--reps", str(reps)]),
-                                  cwd=REPO, env=env(GLOO_SOCKET_IFNAME=IFNAME), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for i, node in enumerate(NODES)]
-        outputs = [json.loads(out.strip().splitlines()[-1]) for out in wait_for(procs, "--order's swaps", 300)]
+    with harness.two_machines(congestion_control) as net:
+        harness.shape(net, rate)
+        procs = harness.on_two(net, lambda i, node: [sys.executable, str(Path(__file__).resolve()), "--order-worker",
+                                                     str(i), "--reps", str(reps)], subprocess.PIPE)
+        outputs = [json.loads(out.strip().splitlines()[-1]) for out in harness.wait_for(procs, "--order's swaps", 300)]
     floor = ORDER_NUMEL * 4 * 8 / tc_bits(rate)  # each direction carries one rank's floats
     return dict(rate=rate, late=ORDER_LATE, nbytes=ORDER_NUMEL * 4, floor=floor, tcp=net.tcp, reps=reps,
                 seconds=outputs, late_rank={way: median(outputs[1][way]) / floor for way in ORDER_WAYS.values()})
@@ -443,7 +344,7 @@ def derive(measured):
     results = []
     for run in measured["runs"]:
         name, rate, ranks = run["row"], run["rate"], run["ranks"]
-        batch = ROWS[name][2]
+        batch = ROWS[name].batch
         step = median(s for r in ranks for s in r["steps"])
         communication = median(c for r in ranks for c in r["communication"])
         compute = median(alone[name]["steps"])
@@ -464,7 +365,7 @@ def derive(measured):
             exposed=exposed, hidden=communication - exposed, other=max(step - compute - exposed, 0.0),
             ring_bytes=ring, floor=floor, over_floor=communication / floor if floor else None, by_kind=by_kind,
             images_per_s=images_per_s, resent=run["tcp"]["RetransSegs"], timeouts=run["tcp"]["TCPTimeouts"],
-            vs_single=images_per_s / (ROWS["single"][2] / median(single["steps"])) if single else None))
+            vs_single=images_per_s / (ROWS["single"].batch / median(single["steps"])) if single else None))
     return results
 
 
@@ -476,10 +377,6 @@ def times(ratio):
     return "-" if ratio is None else f"{ratio:.2f}"
 
 
-def kib(nbytes):
-    return "-" if nbytes is None else f"{nbytes / 1024:,.0f}"
-
-
 def table(results, measured):
     """The results as a Markdown table, chapter 1's row first."""
     lines = ["| strategy | link | images/step | step ms | compute ms | communication ms | hidden ms | exposed ms "
@@ -488,11 +385,11 @@ def table(results, measured):
     single = measured["alone"].get("single")
     if single:
         step = median(single["steps"])
-        lines.append(f"| {ROWS['single'][5]} | none | {ROWS['single'][2]} | {ms(step)} | {ms(step)} | - | - | - | - "
-                     f"| - | - | - | {ROWS['single'][2] / step:,.0f} | 1.00 |")
+        lines.append(f"| {ROWS['single'].what} | none | {ROWS['single'].batch} | {ms(step)} | {ms(step)} | - | - | - | - "
+                     f"| - | - | - | {ROWS['single'].batch / step:,.0f} | 1.00 |")
     for r in results:
         lines.append(
-            f"| {ROWS[r['row']][5]} | {RATES[r['rate']] or r['rate']} | {r['batch']} | {ms(r['step'])} | "
+            f"| {ROWS[r['row']].what} | {RATES[r['rate']] or r['rate']} | {r['batch']} | {ms(r['step'])} | "
             f"{ms(r['compute'])} | {ms(r['communication'])} | {ms(r['hidden'])} | {ms(r['exposed'])} | "
             f"{kib(r['ring_bytes'])} | {ms(r['floor'])} | {times(r['over_floor'])} | {r['resent']} "
             f"({r['timeouts']}) | {r['images_per_s']:,.0f} | {times(r['vs_single'])} |")
@@ -509,72 +406,39 @@ def checks(results):
                                                                    enumerate(x.get("per_rank") or [])) + ")"
                     for kind, x in r["by_kind"].items()]
             kinds = f"; by kind: {', '.join(each)}" if len(each) > 1 else ""
-            lines.append(f"{'PASS' if r['over_floor'] <= FLOOR_GOAL else 'MISS'}: {ROWS[r['row']][5]} at "
+            lines.append(f"{'PASS' if r['over_floor'] <= FLOOR_GOAL else 'MISS'}: {ROWS[r['row']].what} at "
                          f"{RATES[r['rate']]}: communication {r['over_floor']:.2f}x its floor ({ms(r['communication'])}"
                          f" ms against {ms(r['floor'])} ms; goal <= {FLOOR_GOAL}x){kinds}")
     for r in results:  # the link itself: no row's bytes may cross faster than the rate (netns.burst_bytes)
         if r["floor"] and r["over_floor"] < 1:
-            lines.append(f"FAST LINK: {ROWS[r['row']][5]} at {RATES[r['rate']]}: communication {ms(r['communication'])}"
+            lines.append(f"FAST LINK: {ROWS[r['row']].what} at {RATES[r['rate']]}: communication {ms(r['communication'])}"
                          f" ms is under the {ms(r['floor'])} ms its bytes need on the wire: the shaper let them through")
     for r in results:  # the remedies against chapter 1's speed
         goal = SPEED_GOAL.get(r["rate"])
         if goal and r["row"] in REMEDIES and r["vs_single"] is not None:
-            lines.append(f"{'PASS' if r['vs_single'] >= goal else 'MISS'}: {ROWS[r['row']][5]} at {RATES[r['rate']]}: "
+            lines.append(f"{'PASS' if r['vs_single'] >= goal else 'MISS'}: {ROWS[r['row']].what} at {RATES[r['rate']]}: "
                          f"{r['vs_single']:.2f}x chapter 1's images/s (goal >= {goal}x)")
     return lines
 
 
-def remedies(results, measured):
-    """The remedies side by side: bytes each rank sends per step, speed against chapter 1 per link rate, and test
-    accuracy after ACCURACY_EPOCHS epochs on the full data (--accuracy), against chapter 1's."""
-    accuracy = measured.get("accuracy", {})
+def remedies(results):
+    """The remedies side by side: bytes each rank sends per step, speed against chapter 1 per link rate (their
+    accuracy over whole runs: --whole)."""
     rates = [rate for rate in ("1gbit", "100mbit", "10mbit") if any(r["rate"] == rate for r in results)]
     lines = [f"| remedy | images/step | KiB sent per step | {' | '.join(f'vs chapter 1 at {RATES[x]}' for x in rates)} "
-             f"| accuracy after {ACCURACY_EPOCHS} epochs |", "|---" * (4 + len(rates)) + "|"]
-    if "single" in accuracy:
-        lines.append(f"| chapter 1, one process | {ROWS['single'][2]} | - | {' | '.join('1.00' for _ in rates)} | "
-                     f"{100 * accuracy['single']['accuracy']:.1f}% |")
-    for name in [n for n in REMEDIES if any(r["row"] == n for r in results)] + ["powersgd_late"]:
+             f"|", "|---" * (3 + len(rates)) + "|"]
+    for name in [n for n in REMEDIES if any(r["row"] == n for r in results)]:
         here = {r["rate"]: r for r in results if r["row"] == name}
-        if not here and name not in accuracy:
-            continue
-        sent = next(iter(here.values()))["ring_bytes"] if here else None
-        acc = accuracy.get(name, {}).get("accuracy")
-        delta = (f" ({100 * (acc - accuracy['single']['accuracy']):+.1f})" if acc is not None and "single" in accuracy
-                 else "")
-        lines.append(f"| {ROWS[name][5]} | {ROWS[name][2]} | {kib(sent)} | "
-                     f"{' | '.join(times(here[x]['vs_single']) if x in here else '-' for x in rates)} | "
-                     f"{'-' if acc is None else f'{100 * acc:.1f}%'}{delta} |")
+        lines.append(f"| {ROWS[name].what} | {ROWS[name].batch} | {kib(next(iter(here.values()))['ring_bytes'])} | "
+                     f"{' | '.join(times(here[x]['vs_single']) if x in here else '-' for x in rates)} |")
     return "\n".join(lines)
-
-
-def run_for_accuracy(name, data_dir, tmp):
-    """A row's chapter for ACCURACY_EPOCHS epochs on the full data, 2 ranks on this machine (a link's rate changes
-    the time, not the model): its last test accuracy and loss."""
-    chapter, flags, batch = ROWS[name][:3]
-    out = Path(tempfile.mkdtemp(prefix=f"{name}-accuracy-", dir=tmp))
-    launcher = ([sys.executable] if chapter == "single_gpu.py" else
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
-    cmd = [*launcher, chapter, *flags, "--batch-size", str(ACCURACY_BATCH * batch // BATCH), "--epochs",
-           str(ACCURACY_EPOCHS), "--device", "cpu", "--output", str(out), *(["--data-dir", data_dir] if data_dir else [])]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    log = wait_for([proc], f"{chapter} {' '.join(flags)} for {ACCURACY_EPOCHS} epochs", timeout=3600)[0]
-    last = log[log.rindex("Accuracy:"):].split()
-    return dict(accuracy=float(last[1].rstrip("%,")) / 100, test_loss=float(last[4]),
-                seconds=time.perf_counter() - start)
 
 
 def chart(results, measured, path):
     """Per link rate, a panel of stacked bars: compute, hidden and exposed communication per 1,000 images."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise FatalError("--png needs matplotlib (pip install matplotlib)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot(path)
+    if plt is None:
+        return
     rates = [rate for rate in RATES if any(r["rate"] == rate for r in results)]
     single = measured["alone"].get("single")
     fig, axes = plt.subplots(1, len(rates), figsize=(3.3 * len(rates) + 1, 4.6), dpi=90, squeeze=False)
@@ -591,9 +455,9 @@ def chart(results, measured, path):
         ax.bar(x, exposed, bottom=[a + h for a, h in zip(alone, hidden)], color="tab:red",
                label="exposed communication (the step waits)")
         if single:
-            ax.axhline(median(single["steps"]) * 1000 / ROWS["single"][2], color="black", ls="--", lw=1,
+            ax.axhline(median(single["steps"]) * 1000 / ROWS["single"].batch, color="black", ls="--", lw=1,
                        label="chapter 1, one process")
-        ax.set_xticks(list(x), [ROWS[r["row"]][6] for r in here], fontsize=8)
+        ax.set_xticks(list(x), [ROWS[r["row"]].short for r in here], fontsize=8)
         ax.set_title(f"link: {RATES[rate] or rate}", fontsize=10)
         for i, r in enumerate(here):
             if r["over_floor"]:
@@ -607,25 +471,19 @@ def chart(results, measured, path):
                  f"batch {BATCH} ({4 * BATCH} with --accum-steps 4); "
                  "'x floor': communication / (ring bytes / link rate)", fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    print(f"Wrote {path}")
+    harness.save(fig, path)
 
 
 def speed_chart(results, measured, path):
     """Speed against chapter 1 per link rate, one line per strategy and remedy, the break-even line at 1.0."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise FatalError("--speed-png needs matplotlib (pip install matplotlib)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot(path)
+    if plt is None:
+        return
     bits = {"10mbit": 1e7, "100mbit": 1e8, "1gbit": 1e9, "unlimited": 1e10}  # unlimited: drawn right of 1 Gbit/s
     fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=90)
     for name in [n for n in ROWS if any(r["row"] == n and r["vs_single"] for r in results)]:
         here = sorted((bits[r["rate"]], r["vs_single"]) for r in results if r["row"] == name)
-        ax.plot(*zip(*here), marker="o", label=ROWS[name][5], lw=2 if name in REMEDIES[2:] else 1,
+        ax.plot(*zip(*here), marker="o", label=ROWS[name].what, lw=2 if name in REMEDIES[2:] else 1,
                 ls="-" if name in REMEDIES else ":")
     ax.axhline(1.0, color="black", lw=1, ls="--")
     ax.text(1.1e7, 1.03, "chapter 1, one process (break-even)", fontsize=8)
@@ -637,9 +495,7 @@ def speed_chart(results, measured, path):
     ax.set_title(f"Two machines, one rank each (gloo, TCP {measured.get('tcp')}), global batch {BATCH}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    print(f"Wrote {path}")
+    harness.save(fig, path)
 
 
 def report(measured, args):
@@ -651,10 +507,9 @@ def report(measured, args):
     print()
     for line in checks(results):
         print(line)
-    if any(r["row"] in REMEDIES[1:] for r in results) or measured.get("accuracy"):
-        print(f"\nThe remedies side by side (accuracy: {ACCURACY_EPOCHS} epochs on the full data at 2 ranks, "
-              f"--batch-size {ACCURACY_BATCH} x the row's factor)\n")
-        print(remedies(results, measured))
+    if any(r["row"] in REMEDIES[1:] for r in results):
+        print("\nThe remedies side by side (their accuracy over whole runs: --whole)\n")
+        print(remedies(results))
     if args.png:
         chart(results, measured, args.png)
     if args.speed_png:
@@ -670,12 +525,11 @@ def run_whole(name, rate, net, data_dir, tmp):
     args = [*flags, "--batch-size", str(BATCH), "--lr", str(WHOLE_LR), "--epochs", str(WHOLE_EPOCHS), "--log-every",
             "100000", "--device", "cpu", "--output", str(out), *(["--data-dir", data_dir] if data_dir else [])]
     start = time.perf_counter()
-    if name == "single":
-        procs = [subprocess.Popen([sys.executable, "single_gpu.py", *args], cwd=REPO, env=env(),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)]
+    if name == "single":  # one thread, as each rank on the two machines has
+        procs = [harness.start(harness.torchrun(None, ["single_gpu.py", *args]), harness.env(OMP_NUM_THREADS="1"))]
     else:
-        procs = torchrun_on_two(net, ["ddp_by_hand.py" if name == "by_hand" else "ddp_launch.py", *args])
-    wait_for(procs, f"{WHOLE_NAMES[name]} at {rate or 'no link'}", timeout=1800)
+        procs = harness.torchrun_on_two(net, ["ddp_by_hand.py" if name == "by_hand" else "ddp_launch.py", *args])
+    harness.wait_for(procs, f"{WHOLE_NAMES[name]} at {rate or 'no link'}", timeout=1800)
     epochs = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
     return dict(row=name, rate=rate, train_seconds=sum(r["train_seconds"] for r in epochs),
                 wall_seconds=time.perf_counter() - start, accuracy=epochs[-1]["test_accuracy"])
@@ -685,12 +539,12 @@ def measure_whole(rows, rates, repeats, data_dir, congestion_control=None):
     """--whole: every row at each of its rates, `repeats` rounds of all of them (chapter 1 in each, so that a slow
     spell of the machine falls on every row alike), after one untimed run of chapter 1 (caches): {"runs": [...]}."""
     runs = []
-    with tempfile.TemporaryDirectory(prefix="scaling-whole-") as tmp, two_machines(congestion_control) as net:
+    with tempfile.TemporaryDirectory(prefix="scaling-whole-") as tmp, harness.two_machines(congestion_control) as net:
         run_whole("single", None, net, data_dir, tmp)  # warm-up: the first run after a while pays for cold caches
         for _ in range(repeats):
             for rate in [None, *rates]:  # chapter 1 alone; then each rate's rows on the two machines
                 if rate:
-                    shape(net, RATES[rate] and rate)
+                    harness.shape(net, rate)
                 for name in ["single"] if rate is None else [n for n in rows if rate in WHOLE_ROWS[n][1]]:
                     runs.append(run_whole(name, rate, net, data_dir, tmp))
                     print(f"{name} at {rate or 'no link'}: {runs[-1]['train_seconds']:.1f} s, "
@@ -731,23 +585,9 @@ def whole_report(measured):
                   f"(goal: within 1 point)")
 
 
-def write_json(path, data):
-    """--json: data as JSON at path (nothing without --json)."""
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=1) + "\n")
-
-
 def main():
     if "--worker" in sys.argv:  # inside one rank of a run
-        p = argparse.ArgumentParser()
-        p.add_argument("--worker")
-        p.add_argument("--record")
-        p.add_argument("--bucket-cap-mb", type=float, default=None)
-        p.add_argument("--steps", type=int)
-        known, rest = p.parse_known_args()
-        return worker(known.worker, known.record, known.bucket_cap_mb, known.steps,
-                      rest[1:] if rest[:1] == ["--"] else rest)
+        return worker(*harness.worker_args(steps=int, bucket_cap_mb=float))
     if "--order-worker" in sys.argv:  # inside one rank of --order
         p = argparse.ArgumentParser()
         p.add_argument("--order-worker", type=int)
@@ -755,13 +595,9 @@ def main():
         known = p.parse_args()
         return order_worker(known.order_worker, known.reps)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    swept = [name for name in ROWS if ROWS[name][4] or name == "single"]
+    swept = [name for name in ROWS if ROWS[name].rates or name == "single"]
     p.add_argument("--rows", default=",".join(swept), help=f"rows to run, of {','.join(ROWS)} (default "
                    f"{','.join(swept)})")
-    p.add_argument("--accuracy", action="store_true",
-                   help=f"also train chapter 1 and each remedy row ({','.join(REMEDIES)}, powersgd_late) for "
-                        f"{ACCURACY_EPOCHS} epochs on the full data and report their test accuracy (about 2 minutes "
-                        f"each on 2 cores)")
     p.add_argument("--rates", default=",".join(RATES), help=f"link rates, of {','.join(RATES)} (default all)")
     p.add_argument("--data-dir", default=None, help="FashionMNIST folder (default: the chapters' own search)")
     p.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
@@ -783,17 +619,15 @@ def main():
     args = p.parse_args()
     if args.whole:
         if args.from_json:
-            return whole_report(json.loads(Path(args.from_json).read_text()))
+            return whole_report(harness.read_json(args.from_json))
         rows = args.rows.split(",") if "--rows" in sys.argv else [n for n in WHOLE_ROWS if n != "by_hand"]
         rates = args.rates.split(",") if "--rates" in sys.argv else ["100mbit", "10mbit"]
         unknown = [r for r in rows if r not in WHOLE_ROWS] + [r for r in rates if r not in RATES]
         if unknown or "single" not in rows or args.repeats < 1:
             p.error(f"--whole: rows of {','.join(WHOLE_ROWS)} (single among them), rates of {','.join(RATES)}, "
                     f"--repeats >= 1")
-        import torch
         measured = measure_whole(rows, rates, args.repeats, args.data_dir, args.congestion_control)
-        measured["environment"] = dict(torch=torch.__version__, python=platform.python_version(),
-                                       cpu_count=os.cpu_count(), node=platform.node())
+        measured["environment"] = harness.environment()
         write_json(args.json, measured)
         return whole_report(measured)
     if args.order:
@@ -805,27 +639,14 @@ def main():
         write_json(args.json, result)
         return order_report(result)
     if args.from_json:
-        try:
-            measured = json.loads(Path(args.from_json).read_text())
-        except (OSError, ValueError) as e:
-            raise FatalError(f"cannot read {args.from_json}: {e}") from None
-        return report(measured, args)
+        return report(harness.read_json(args.from_json), args)
     rows, rates = args.rows.split(","), args.rates.split(",")
     for given, known, flag in ((rows, ROWS, "--rows"), (rates, RATES, "--rates")):
         unknown = [g for g in given if g not in known]
         if unknown:
             p.error(f"{flag}: no {', '.join(unknown)}; choose from {', '.join(known)}")
-    import torch
     measured = measure(rows, [r for r in RATES if r in rates], args.data_dir, args.congestion_control)
-    if args.accuracy:
-        measured["accuracy"] = {}
-        with tempfile.TemporaryDirectory(prefix="accuracy-") as tmp:
-            for name in ["single", *[n for n in REMEDIES if n in rows], "powersgd_late"]:
-                measured["accuracy"][name] = run_for_accuracy(name, args.data_dir, tmp)
-                print(f"{name}: {100 * measured['accuracy'][name]['accuracy']:.1f}% after {ACCURACY_EPOCHS} epochs "
-                      f"({measured['accuracy'][name]['seconds']:.0f} s)", file=sys.stderr, flush=True)
-    measured["environment"] = dict(torch=torch.__version__, python=platform.python_version(), cpu_count=os.cpu_count(),
-                                   node=platform.node())
+    measured["environment"] = harness.environment()
     write_json(args.json, measured)
     report(measured, args)
 

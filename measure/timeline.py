@@ -1,9 +1,9 @@
 """See a few steps: what each rank computed, sent and waited for, and when, measured by torch's profiler on every rank.
 
-    python scripts/timeline.py ddp_launch.py                          # DDP, 2 ranks on this machine (loopback)
-    python scripts/timeline.py ddp_launch.py --link 100mbit           # one rank on each of two machines (as root)
-    python scripts/timeline.py ddp_launch.py --comm-hook powersgd    # the chapter's own flags, as it takes them
-    python scripts/timeline.py pipeline.py --nproc 3 -- --schedule gpipe
+    python measure/timeline.py ddp_launch.py                          # DDP, 2 ranks on this machine (loopback)
+    python measure/timeline.py ddp_launch.py --link 100mbit           # one rank on each of two machines (as root)
+    python measure/timeline.py ddp_launch.py --comm-hook powersgd    # the chapter's own flags, as it takes them
+    python measure/timeline.py pipeline.py --nproc 3 -- --schedule gpipe
 
 It runs the chapter unchanged under torchrun for a few optimizer steps (the chapter gains no profiling line: this
 script's worker wraps it), records every rank with torch's profiler on every thread (gloo runs its collectives on
@@ -22,20 +22,16 @@ the waiting thread, and on a CPU with more busy threads than cores that can come
 import argparse
 import json
 import math
-import os
 import re
-import runpy
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for measure/ and common/
 
-from common.cli import FatalError, UsageError, run_main  # noqa: E402
-from scripts.scaling import PROFILER_DTYPES  # noqa: E402  (the profiler's dtype names as strategy_table's)
-from scripts.strategy_table import DTYPE_BYTES  # noqa: E402
+from common.cli import UsageError, run_main  # noqa: E402
+from measure import harness  # noqa: E402
+from measure.harness import DTYPE_BYTES, PROFILER_DTYPES  # noqa: E402
 
 TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py")
 BASELINE = "single_gpu.py"
@@ -78,26 +74,16 @@ def clock_marks():
 
 
 CLOCK_GROUP = [None]
-def worker(chapter, out, warmup, steps, args):
-    """Run chapter with args in this process; write out/rank<RANK>.json, the profiler's trace of the chosen steps."""
+def worker(known, args):
+    """Run the chapter with args in this process; write out/rank<RANK>.json, the profiler's trace of the chosen steps."""
     import torch
     import torch.distributed as dist
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    import common.cli
-
-    every_thread = {}
-    try:  # torch 2.8 on: the collectives gloo runs on its own threads (before it, those go unseen)
-        from torch._C._profiler import _ExperimentalConfig
-        every_thread = dict(experimental_config=_ExperimentalConfig(profile_all_threads=True))
-    except TypeError:
-        pass
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    profiler = profile(activities=activities, record_shapes=True, **every_thread)
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    from torch.profiler import record_function
 
-    done, depth, forward = [0], [0], [None]
+    chapter, warmup, steps = known.worker, known.warmup, known.steps
+    profiler = harness.profiler(cuda=torch.cuda.is_available())
+    depth, forward = [0], [None]
 
     def enter(module, inputs):  # the outermost module's forward as one range: the model's forward
         if depth[0] == 0:
@@ -125,9 +111,8 @@ def worker(chapter, out, warmup, steps, args):
     PipelineStage.forward_one_chunk = chunk("F", PipelineStage.forward_one_chunk)
     PipelineStage.backward_one_chunk = chunk("B", PipelineStage.backward_one_chunk)
 
-    def after_step(optimizer, *_):
-        done[0] += 1
-        if done[0] == warmup:
+    def after_step(n, optimizer):
+        if n == warmup:
             if dist.is_initialized():
                 CLOCK_GROUP[0] = dist.new_group(backend="gloo")  # made before the recording starts
             profiler.start()
@@ -136,27 +121,21 @@ def worker(chapter, out, warmup, steps, args):
                 dist.barrier()
             with record_function(MARK + "start"):
                 pass
-        elif warmup < done[0] <= warmup + steps:
+        elif warmup < n <= warmup + steps:
             with record_function(MARK + "step"):  # each measured step's end, on the profiler's clock
                 pass
-            if done[0] == warmup + steps:
+            if n == warmup + steps:
                 profiler.stop()
 
-    register_optimizer_step_post_hook(after_step)
-    end = common.cli.end_process
+    done = harness.after_steps(after_step)
 
-    def write_then_end(code):
-        if code == 0 and done[0] < warmup + steps:
-            print(f"error: {chapter} made {done[0]} optimizer steps; the timeline needs {warmup + steps}: give it "
-                  f"more --train-samples or a smaller --batch-size", file=sys.stderr)
-            code = 1
+    def write(code):
+        code = code or harness.too_few_steps(chapter, done[0], warmup + steps)
         if code == 0:
-            profiler.export_chrome_trace(str(Path(out) / f"rank{os.environ.get('RANK', '0')}.json"))
-        end(code)
+            profiler.export_chrome_trace(str(Path(known.out) / f"rank{harness.rank()}.json"))
+        return code
 
-    common.cli.end_process = write_then_end
-    sys.argv = [chapter, *args]
-    runpy.run_path(str(REPO / chapter), run_name="__main__")
+    harness.run_chapter(chapter, args, write)
 
 
 # --- The driver: start the ranks, put their traces on one clock, find the steps, draw the median one ---
@@ -337,27 +316,16 @@ def started_everywhere(steps):
     return {i: latest[key] for i, key in count.items()}
 
 
-def union_ms(intervals, start=-math.inf, end=math.inf):
-    """The length of [start, end] covered by at least one of the (a, b) intervals."""
-    covered, reach = 0.0, start
-    for a, b in sorted(intervals):
-        a, b = max(a, reach), min(b, end)
-        if b > a:
-            covered += b - a
-            reach = b
-    return covered
-
-
 def shares(spans, waits, start, end):
     """A rank's step [start, end] in parts: compute, waiting on the wire (exposed communication), idle (neither)."""
     compute = [(t0, t1) for kind, t0, t1, *_ in spans if kind in COMPUTE]
     if not waits:  # a GPU rank (or one that never waited): the wire's time with no compute of its own beside it
         wire = [(t0, used) for kind, t0, t1, label, used in spans if kind not in COMPUTE]
-        waits = [(a, b) for a, b in wire if union_ms(compute, a, b) < b - a]  # partly exposed: counted below
-        exposed = union_ms(compute + waits, start, end) - union_ms(compute, start, end)
+        waits = [(a, b) for a, b in wire if harness.union(compute, a, b) < b - a]  # partly exposed: counted below
+        exposed = harness.union(compute + waits, start, end) - harness.union(compute, start, end)
     else:
-        exposed = union_ms(waits, start, end)
-    busy = union_ms(compute + waits, start, end)
+        exposed = harness.union(waits, start, end)
+    busy = harness.union(compute + waits, start, end)
     length = end - start
     return dict(compute=(busy - exposed) / length, wire=exposed / length, idle=1 - busy / length)
 
@@ -379,7 +347,7 @@ def pipeline_text(rows, lengths, stages):
             now += 1 if label[0] == "F" else -1
             held[rank] = max(held[rank], now)
         length = lengths[f"rank {rank}"]
-        idle = 1 - union_ms([(t0, t1) for kind, t0, t1, label, _ in spans if label[:1] in ("F", "B")]) / length
+        idle = 1 - harness.union([(t0, t1) for kind, t0, t1, label, _ in spans if label[:1] in ("F", "B")]) / length
         p2p = [used - t0 for kind, t0, t1, label, used in spans if kind in ("send", "recv")]
         sizes = " or ".join(sorted({label for kind, t0, t1, label, _ in spans if kind in ("send", "recv")}))
         lines.append(f"  stage {rank}: idle {idle:.0%} of its {length:.1f} ms: {bubble:.0%} the bubble, "
@@ -391,10 +359,11 @@ def pipeline_text(rows, lengths, stages):
 
 
 def draw(rows, waits, ends, numbers, path, title):
-    """step.png: a row per rank (and chapter 1's), compute above with its waiting hatched, the wire below with bytes."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """step.png: a row per rank (and chapter 1's), compute above with its waiting hatched, the wire below with bytes;
+    False, with a note, without matplotlib."""
+    plt = harness.pyplot(path)
+    if plt is None:
+        return False
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -435,23 +404,18 @@ def draw(rows, waits, ends, numbers, path, title):
     ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, ncol=6, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def record(args, out, ranks, worker_cmd):
     """Run the chapter's ranks under the profiler (on loopback or across the two machines): their traces in out."""
     if args.link:
-        from scripts import scaling
-        with scaling.two_machines("reno") as net:
-            scaling.shape(net, scaling.RATES[args.link] and args.link)
-            procs = scaling.torchrun_on_two(net, worker_cmd)
-            scaling.wait_for(procs, f"{args.chapter} at {args.link}")
+        with harness.two_machines("reno") as net:
+            harness.shape(net, args.link)
+            harness.wait_for(harness.torchrun_on_two(net, worker_cmd), f"{args.chapter} at {args.link}")
         return
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(ranks), *worker_cmd], cwd=REPO, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
-    if proc.returncode != 0:
-        raise FatalError(f"{args.chapter} under the profiler failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    (out / "chapter.log").write_text(proc.stdout)  # what the chapter printed (rank 0's lines)
+    printed = harness.run(harness.torchrun(ranks, worker_cmd), f"{args.chapter} under the profiler")
+    (out / "chapter.log").write_text(printed)  # what the chapter printed (rank 0's lines)
 
 
 def median_step(merged, ranks):
@@ -463,14 +427,8 @@ def median_step(merged, ranks):
 
 
 def main():
-    if "--worker" in sys.argv:
-        p = argparse.ArgumentParser()
-        p.add_argument("--worker")
-        p.add_argument("--out")
-        p.add_argument("--warmup", type=int)
-        p.add_argument("--steps", type=int)
-        known, rest = p.parse_known_args()
-        return worker(known.worker, known.out, known.warmup, known.steps, rest[1:] if rest[:1] == ["--"] else rest)
+    if "--worker" in sys.argv:  # inside one rank
+        return worker(*harness.worker_args(warmup=int, steps=int))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage="%(prog)s CHAPTER [options] [the chapter's flags]")
     p.add_argument("chapter", help=f"one of {', '.join(TORCHRUN_CHAPTERS)}")
@@ -496,8 +454,8 @@ def main():
     common = ["--epochs", "1", "--log-every", "100000", "--test-samples", "1000", "--train-samples",
               str(steps * 64)]  # the chapters' default batch: 64
     command = lambda chapter, folder, flags: [
-        str(Path(__file__).resolve()), "--worker", chapter, "--out", str(folder.resolve()), "--warmup",
-        str(args.warmup), "--steps", str(args.steps), "--", *common, "--output", str(folder / "run"), *flags]
+        *harness.worker_command(__file__, chapter, folder.resolve(), warmup=args.warmup, steps=args.steps), *common,
+        "--output", str(folder / "run"), *flags]
     ranks = 2 if args.link else args.nproc
     record(args, out, ranks, command(args.chapter, out, args.flags))
     merged, offsets = merge(out, ranks)
@@ -514,10 +472,7 @@ def main():
         ends[name] = (step[rank][1] - origin) / 1e3
         lengths[name] = (step[rank][1] - step[rank][0]) / 1e3
     if not args.no_baseline:  # chapter 1 alone on the same global batch, its median step from its own start
-        proc = subprocess.run([sys.executable, *command(BASELINE, out / "baseline", [])], cwd=REPO, capture_output=True,
-                              text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
-        if proc.returncode != 0:
-            raise FatalError(f"{BASELINE} under the profiler failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        harness.run(harness.torchrun(None, command(BASELINE, out / "baseline", [])), f"{BASELINE} under the profiler")
         alone = json.loads((out / "baseline" / "rank0.json").read_text())["traceEvents"]
         alone = [dict(e, pid=0) for e in alone if "ts" in e]
         steps_alone = windows(alone, 0)
@@ -548,11 +503,10 @@ def main():
                                                    length=lengths[name], numbers=numbers[name]) for name in rows})))
     png = Path(args.png or out / "step.png")
     png.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        draw(rows, waits, ends, numbers, png, f"{' '.join([args.chapter, *args.flags])}, {ranks} ranks"
-             f"{f', {args.link}' if args.link else ', loopback'}: step {k + 1} of {args.steps}, the median")
+    if draw(rows, waits, ends, numbers, png, f"{' '.join([args.chapter, *args.flags])}, {ranks} ranks"
+            f"{f', {args.link}' if args.link else ', loopback'}: step {k + 1} of {args.steps}, the median"):
         print(f"Wrote {out / 'trace.json'} and {png}")
-    except ImportError:
+    else:
         print(f"Wrote {out / 'trace.json'} (no matplotlib: no step.png)")
 
 

@@ -1,10 +1,10 @@
 """Time one training epoch of every way to train the model that runs here, the quickstart and compute floors.
 
-    python scripts/benchmark.py                                        # 2 epochs of each case on the CPU
-    python scripts/benchmark.py --epochs 3 --json runs/benchmark.json  # also write every measurement as JSON
-    python scripts/benchmark.py --device cuda --cases single_gpu,floor,ddp_mp_1   # a subset, on the GPU
-    python scripts/benchmark.py --rounds 3                             # a b c a b c a b c: steadier on a busy machine
-    python scripts/benchmark.py --before ../main --cases single_gpu,floor --rounds 5   # a change against main, one run
+    python measure/benchmark.py                                        # 2 epochs of each case on the CPU
+    python measure/benchmark.py --epochs 3 --json runs/benchmark.json  # also write every measurement as JSON
+    python measure/benchmark.py --device cuda --cases single_gpu,floor,ddp_mp_1   # a subset, on the GPU
+    python measure/benchmark.py --rounds 3                             # a b c a b c a b c: steadier on a busy machine
+    python measure/benchmark.py --before ../main --cases single_gpu,floor --rounds 5   # a change against main, one run
 
 Cases (each in its own subprocess, so each has a fresh interpreter and its own peak RSS):
   (a) single_gpu   the real `single_gpu.py`, timed by the "Train time:" lines it prints
@@ -15,7 +15,7 @@ Cases (each in its own subprocess, so each has a fresh interpreter and its own p
   (f) torchrun_2   the real `ddp_launch.py` under `torchrun --standalone --nproc-per-node 2`
   (g) ddp_compute  2 ranks, each stepping over its shard's pre-made slices (batch 64/2), no communication
   (h) allreduce    2 ranks, nothing but one all_reduce of the gradient's size (2.7 MB) per step
-  (i) ddp_manual   2 ranks, a step written by hand: backward, one all_reduce of all gradients, / world size
+  (i) ddp_manual   the real `ddp_by_hand.py` (chapter 3b: DDP's job by hand) under torchrun, 2 processes
   (j) dataparallel the real `dataparallel.py` (one process; on a CPU-only machine the plain model)
   (k) torchrun_1   the real `ddp_launch.py` under `torchrun --standalone --nproc-per-node 1`
   (l) tcp_2        the real `ddp_tcp_manual.py`, ranks 0 and 1 started by hand on 127.0.0.1
@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import socket
@@ -53,8 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # `python scripts/benchmark.py` puts scripts/, not the repo root, on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for measure/ and common/
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -65,6 +63,7 @@ from common import data  # noqa: E402
 from common.cli import Config, FatalError, device_type, run_main  # noqa: E402
 from common.ranks import cpu_threads, destroy_process_group, free_port  # noqa: E402
 from common.model import NeuralNetwork  # noqa: E402
+from measure import harness  # noqa: E402
 
 BATCH_SIZE, LR, SEED = 64, 1e-3, 0  # the quickstart's settings, which single_gpu.py also defaults to
 
@@ -181,18 +180,7 @@ def _floor_worker(rank, args, port):
             for _ in steps:
                 dist.all_reduce(grads)
 
-        def manual():  # what DDP automates, by hand: average every gradient over the ranks, then step
-            for i in steps:
-                loss_fn(model(X[i:i + per_rank]), y[i:i + per_rank]).backward()
-                flat = torch.cat([p.grad.view(-1) for p in params])
-                dist.all_reduce(flat)  # the sum over the ranks ...
-                flat /= world  # ... made a mean: the gradient of the global batch
-                for p, g in zip(params, flat.split([p.numel() for p in params])):
-                    p.grad.copy_(g.view_as(p))
-                optimizer.step()
-                optimizer.zero_grad()
-
-        part = dict(ddp_compute=compute, allreduce=allreduce, ddp_manual=manual)[args.case]
+        part = dict(ddp_compute=compute, allreduce=allreduce)[args.case]
         for epoch in range(1, args.epochs + 1):
             dist.barrier()
             _sync(device)
@@ -202,20 +190,12 @@ def _floor_worker(rank, args, port):
             dist.barrier()  # the epoch ends when the slowest rank is done
             if rank == 0:
                 report_epoch(epoch, time.perf_counter() - start, len(train_set))
-        if args.case == "ddp_manual":  # the replicas must still be one model: compare every rank's with rank 0's
-            mine = torch.cat([p.detach().view(-1) for p in params])
-            first = mine.clone()
-            dist.broadcast(first, 0)
-            spread = (mine - first).abs().max()
-            dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                print(f"ranks agree: largest |weight difference| from rank 0 = {spread.item():.3e}", flush=True)
     finally:
         destroy_process_group()
 
 
 def case_ddp_floor(args):
-    """(f)-(h) The parts of a DDP step on --nprocs ranks, each timed alone: compute, all-reduce, both by hand."""
+    """(g), (h) The parts of a DDP step on --nprocs ranks, each timed alone: compute, all-reduce."""
     import torch.multiprocessing as mp
 
     # As ddp_mp.py: the store is bound here, before the ranks start, so nothing can take its port in between, and on
@@ -227,7 +207,7 @@ def case_ddp_floor(args):
 
 
 INNER_CASES = {"quickstart": case_quickstart, "floor": case_floor, "ddp_compute": case_ddp_floor,
-               "allreduce": case_ddp_floor, "ddp_manual": case_ddp_floor}
+               "allreduce": case_ddp_floor}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -283,7 +263,7 @@ class Case:
     ranks: int
     command: Callable[[Workspace], list]
     parse: Callable[[str], list]
-    cwd: Path = REPO  # where it runs (another checkout's case runs in that checkout)
+    cwd: Path = harness.REPO  # where it runs (another checkout's case runs in that checkout)
 
 
 def chapter(launcher, script, *flags):
@@ -301,14 +281,7 @@ def inner(case, *extra):
     return lambda ws: ws.inner(case) + list(extra)
 
 
-def quickstart_command(ws):
-    """(b) case_quickstart in a subprocess, on the data folder every case reads (torchvision's own root)."""
-    return ws.inner("quickstart")
-
-
-PY = [sys.executable]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-TORCHRUN_1 = TORCHRUN[:-1] + ["1"]
+PY, TORCHRUN, TORCHRUN_1 = harness.torchrun(None, []), harness.torchrun(2, []), harness.torchrun(1, [])
 
 
 def tcp_ranks(ws, world):
@@ -329,14 +302,14 @@ def tcp_pair(ws):
 
 CASES = [
     Case("single_gpu", "(a) single_gpu.py", 1, chapter(PY, "single_gpu.py"), parse_fit_log),
-    Case("quickstart", "(b) quickstart", 1, quickstart_command, parse_bench_lines),
+    Case("quickstart", "(b) quickstart", 1, inner("quickstart"), parse_bench_lines),
     Case("floor", "(c) compute floor", 1, inner("floor"), parse_bench_lines),
     Case("ddp_mp_1", "(d) ddp_mp.py --nprocs 1", 1, chapter(PY, "ddp_mp.py", "--nprocs", "1"), parse_fit_log),
     Case("ddp_mp_2", "(e) ddp_mp.py --nprocs 2", 2, chapter(PY, "ddp_mp.py", "--nprocs", "2"), parse_fit_log),
     Case("torchrun_2", "(f) torchrun ddp_launch.py", 2, chapter(TORCHRUN, "ddp_launch.py"), parse_fit_log),
     Case("ddp_compute", "(g) DDP compute only", 2, inner("ddp_compute", "--nprocs", "2"), parse_bench_lines),
     Case("allreduce", "(h) all_reduce only", 2, inner("allreduce", "--nprocs", "2"), parse_bench_lines),
-    Case("ddp_manual", "(i) compute + all_reduce by hand", 2, inner("ddp_manual", "--nprocs", "2"), parse_bench_lines),
+    Case("ddp_manual", "(i) torchrun ddp_by_hand.py", 2, chapter(TORCHRUN, "ddp_by_hand.py"), parse_fit_log),
     Case("dataparallel", "(j) dataparallel.py", 1, chapter(PY, "dataparallel.py"), parse_fit_log),
     Case("torchrun_1", "(k) torchrun ddp_launch.py, 1 process", 1, chapter(TORCHRUN_1, "ddp_launch.py"), parse_fit_log),
     Case("tcp_2", "(l) ddp_tcp_manual.py, 2 by hand", 2, tcp_pair, parse_fit_log),
@@ -351,13 +324,13 @@ CASES = [
 CASES_BY_KEY = {case.key: case for case in CASES}
 # A row that is not run but added up: the 2-rank DDP floor = (g) compute + (h) all-reduce, each measured alone.
 DDP_FLOOR = ("ddp_floor", "(g)+(h) DDP floor", ("ddp_compute", "allreduce"))
-FLOOR_KEYS = {"floor", "ddp_compute", "allreduce", "ddp_manual", "ddp_floor"}  # measurements, not chapters
+FLOOR_KEYS = {"floor", "ddp_compute", "allreduce", "ddp_floor"}  # measurements, not chapters
 
 # Targets: (numerator, denominator, at most) on best epoch time; None: the ratio is shown, with no target. (No
 # target against the quickstart: on one 2-core machine the floor itself was 0.48x the quickstart, so that ratio
 # measures the machine as much as the chapter.)
 TIME_TARGETS = [("single_gpu", "quickstart", None), ("single_gpu", "floor", 1.10), ("before", "floor", None), ("ddp_mp_2", "ddp_floor", 1.15),
-                ("torchrun_2", "ddp_floor", 1.15), ("ddp_mp_2", "ddp_manual", None), ("bf16", "single_gpu", None),
+                ("torchrun_2", "ddp_floor", 1.15), ("ddp_manual", "torchrun_2", None), ("bf16", "single_gpu", None),
                 ("compile", "single_gpu", None), ("torchrun_2_compile", "torchrun_2", None),
                 ("fsdp_2", "torchrun_2", None)]  # FSDP's gathers and reduce-scatters against DDP's one all-reduce
 RSS_TARGETS = [("single_gpu", "quickstart")]
@@ -366,16 +339,6 @@ RSS_TARGETS = [("single_gpu", "quickstart")]
 # ---------------------------------------------------------------------------------------------------------
 # Running cases, the table and the target checks.
 # ---------------------------------------------------------------------------------------------------------
-
-def fail(case, cmd, output, problem):
-    """Show the last lines of a case's output, then stop with one error line (FatalError: exit 1)."""
-    lines = output.rstrip().splitlines()[-15:]
-    print(f"--- last {len(lines)} lines of {case.label} ({' '.join(cmd)}) ---", file=sys.stderr)
-    print("\n".join(lines), file=sys.stderr)
-    print("---", file=sys.stderr, flush=True)
-    # run_main prints a FatalError as exactly one line, so the output goes above, not into the message.
-    raise FatalError(f"{case.label} {problem}; its last lines of output are above")
-
 
 def run_case(case, ws, progress):
     """Run one case's subprocess to completion: (command, [Epoch], peak RSS MiB, wall s, accuracy). FatalError if it fails."""
@@ -391,27 +354,22 @@ def run_case(case, ws, progress):
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait on it again
     wall = time.perf_counter() - start
+    shown = f"$ {' '.join(cmd)}\n{harness.last_lines(output)}"
     if proc.returncode != 0:
-        fail(case, cmd, output, f"failed with exit code {proc.returncode}")
+        harness.fail(case.label, f"failed with exit code {proc.returncode}", shown)
     epochs = case.parse(output)
     if len(epochs) != ws.args.epochs:
-        fail(case, cmd, output, f"printed {len(epochs)} epoch timing(s), expected {ws.args.epochs}")
+        harness.fail(case.label, f"printed {len(epochs)} epoch timing(s), expected {ws.args.epochs}", shown)
     rss = usage.ru_maxrss / 1024
     print(f"{progress} {case.label}: done in {wall:.1f}s, best epoch {min(e.seconds for e in epochs):.3f}s, "
           f"peak RSS {rss:.0f} MiB", file=sys.stderr, flush=True)
-    return cmd, epochs, rss, wall, final_accuracy(output), replica_spread(output)
+    return cmd, epochs, rss, wall, final_accuracy(output)
 
 
 def final_accuracy(output):
     """The last `Accuracy: 64.9%` a chapter printed, as a fraction; None for the inner cases, which do not test."""
     found = re.findall(r"Accuracy: ([\d.]+)%", output)
     return float(found[-1]) / 100 if found else None
-
-
-def replica_spread(output):
-    """(i)'s largest weight difference between its ranks after the hand-written steps; None for other cases."""
-    found = re.findall(r"^ranks agree: largest \|weight difference\| from rank 0 = (\S+)$", output, re.M)
-    return float(found[-1]) if found else None
 
 
 def summarize(case, runs, device):
@@ -422,7 +380,7 @@ def summarize(case, runs, device):
                 command=runs[0][0], epoch_seconds=[e.seconds for e in epochs], best_seconds=best.seconds,
                 samples=best.samples, peak_rss_mib=max(run[2] for run in runs),
                 peak_rss_mib_per_round=[run[2] for run in runs], wall_seconds=sum(run[3] for run in runs),
-                accuracy=runs[-1][4], replica_spread=max((run[5] for run in runs if run[5] is not None), default=None))
+                accuracy=runs[-1][4])
 
 
 def add_derived(results):
@@ -453,11 +411,6 @@ def checks(results):
             out.append(dict(name=f"{num}/{den} epoch time", value=value, target=limit, passed=passed,
                             line=f"{a['label']} / {b['label']} = {value:.2f} ({verdict}"
                                  f"{')' if limit is None else ''}"))
-    spread = results.get("ddp_manual", {}).get("replica_spread")
-    if spread is not None:  # a hand-written all-reduce that forgot the mean or the write-back would let them drift
-        out.append(dict(name="ddp_manual replicas equal", value=spread, target=0.0, passed=spread == 0,
-                        line=f"(i) the ranks' weights after the hand-written steps: largest difference {spread:.3e} "
-                             f"(target 0): {'PASS' if spread == 0 else 'FAIL'}"))
     for small, big in RSS_TARGETS:
         if small in results and big in results:
             a, b = results[small], results[big]
@@ -490,14 +443,9 @@ def table(results, epochs):
 
 def chart(results, path, title):
     """A horizontal bar chart of samples/s per row, as a PNG at path. Without matplotlib: a note, no chart."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"note: no chart {path}: matplotlib is not installed (pip install matplotlib); the table and JSON "
-              f"are complete without it", file=sys.stderr)
-        return False
-    matplotlib.use("Agg")  # a file, no window
-    import matplotlib.pyplot as plt
+    plt = harness.pyplot(path)
+    if plt is None:
+        return
     from matplotlib.patches import Patch
 
     rows = list(results.values())
@@ -519,22 +467,7 @@ def chart(results, path, title):
     ax.legend(handles=[Patch(color=c, label=k) for k, c in kinds.items()], fontsize=8, ncol=4,
               loc="upper center", bbox_to_anchor=(0.4, -0.12))
     fig.tight_layout()
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    except OSError as e:
-        raise FatalError(f"cannot write {path}: {e.strerror}; pass another --png") from None
-    print(f"Wrote {path}")
-    return True
-
-
-def environment():
-    """Versions and machine facts that a timing means nothing without."""
-    env = dict(python=platform.python_version(), torch=torch.__version__, cpu_count=os.cpu_count(),
-               torch_threads=torch.get_num_threads(), machine=platform.machine(), node=platform.node())
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    return env
+    harness.save(fig, path)
 
 
 def _positive_int(text):
@@ -612,13 +545,11 @@ def main():
     results = {case.key: summarize(case, runs[case.key], args.device) for case in selected}
     add_derived(results)
     payload = dict(epochs=args.epochs, rounds=args.rounds, device=args.device, data_dir=str(data_dir),
-                   environment=environment(), cases=list(results.values()), checks=checks(results))
+                   environment=harness.environment(), cases=list(results.values()), checks=checks(results))
     report(results, payload, args)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"Wrote {path}")
+        harness.write_json(args.json, payload)
+        print(f"Wrote {args.json}")
 
 
 def load_report(path):
