@@ -125,6 +125,7 @@ def train(cfg, ctx):
         if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     if diloco.last_sync():  # the steps since each fragment's last sync, averaged in too (after the last snapshot)
+        print0(ctx, "After the last sync, the weights model.pth holds:")
         evaluate(diloco.shared_model(), test_loader, cfg.epochs - 1, ctx, MetricsLog(None, ctx))  # printed, not logged
     print0(ctx, "Done!")
 
