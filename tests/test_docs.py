@@ -47,7 +47,7 @@ NOT_RUN_HERE = [
 SLICE = "--train-samples 960 --test-samples 500"
 # A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).
 CHAPTER = re.compile(r"((?:python3?|torchrun)\s(?:[^;&|()]*?\s)?(?:single_gpu|dataparallel|ddp_launch|ddp_by_hand|ddp_mp|ddp_tcp_manual|"
-                     r"ddp_slurm|fsdp|debug_hang|tensor_parallel|pipeline)\.py)\b")
+                     r"ddp_slurm|fsdp|debug_hang|tensor_parallel|pipeline|diloco)\.py)\b")
 
 
 def docs():

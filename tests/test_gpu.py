@@ -69,7 +69,7 @@ CUDA_VS_CPU = 1e-4
 SAME_MODEL = 1e-5
 
 
-TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py",
+TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "diloco.py", "fsdp.py", "tensor_parallel.py", "pipeline.py",
                      "debug_hang.py")
 
 
@@ -136,7 +136,8 @@ class Twin:
 
 MODEL_FLAGS = ("--seed", "--lr", "--momentum", "--precision", "--train-samples")
 CHAPTER_NAMES = ["single_gpu.py", "dataparallel.py", "ddp_launch.py", "ddp_by_hand.py", "ddp_mp.py",
-                 "ddp_tcp_manual.py", "ddp_slurm.py", "fsdp.py", "debug_hang.py", "tensor_parallel.py", "pipeline.py"]
+                 "ddp_tcp_manual.py", "ddp_slurm.py", "fsdp.py", "debug_hang.py", "tensor_parallel.py", "pipeline.py",
+                 "diloco.py"]
 MOMENTUM = ("--momentum", "0.9")  # an optimizer with state: a resumed run must load it onto the GPU too
 LEARNS = ("--lr", "0.05")  # SLICE's 2 epochs at the quickstart's 1e-3 stay near chance (10.6%): nothing to compare
 TWINS = [
@@ -190,6 +191,14 @@ TWINS = [
     Twin("ddp_mp.py", ("--comm-hook", "localsgd:4", "--device", "cpu"), "trains"),
     Twin("ddp_slurm.py", ("--comm-hook", "localsgd:4", "--precision", "fp16"), "refused",
          "--comm-hook localsgd cannot train with --precision fp16"),
+    # DiLoCo (chapter 11) at world size 1: with outer lr 1, no outer momentum and fp32 on the wire, each outer step
+    # steps to the one rank's weights: chapter 1's model. Its own outer step with fragments overlapped (NCCL's async
+    # all-reduce) in bf16 trains; a resumed run holds a fragment in flight; fp16 refused.
+    Twin("diloco.py", ("--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0", "--wire-dtype", "fp32")),
+    Twin("diloco.py", (*LEARNS, "--sync-every", "6", "--fragments", "3", "--overlap", "2", "--wire-dtype", "bf16"),
+         "trains"),
+    Twin("diloco.py", (*MOMENTUM, "--sync-every", "6", "--fragments", "3", "--overlap", "2"), "resume"),
+    Twin("diloco.py", ("--precision", "fp16"), "refused", "diloco.py trains in --precision fp32 or bf16"),
     # --snapshot: a run stopped after epoch 1 and resumed is the uninterrupted one, in every chapter that takes it.
     Twin("single_gpu.py", (*MOMENTUM, "--save-every", "1"), "resume"), Twin("dataparallel.py", MOMENTUM, "resume"),
     Twin("ddp_launch.py", (*MOMENTUM, "--comm-hook", "bf16"), "resume"),

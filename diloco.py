@@ -1,0 +1,240 @@
+"""Chapter 11: DiLoCo, chapter 3b's ranks left apart: each trains its own copy on its own shard with chapter 1's SGD
+(the inner optimizer) for --sync-every H steps; then one all-reduce averages how far the ranks moved (the pseudo-
+gradient), and an outer SGD with Nesterov momentum steps the shared weights with it. The lesson: diff ddp_by_hand.py
+diloco.py
+
+    torchrun --standalone --nproc-per-node 2 diloco.py --sync-every 10             # one machine, 2 processes
+    torchrun --standalone --nproc-per-node 2 diloco.py --sync-every 30 --fragments 3 --overlap 5   # streaming
+
+The weights cross the network once every H steps instead of the gradients every step (DiLoCo, Douillard et al. 2023,
+arXiv 2311.08105). Streaming DiLoCo (arXiv 2501.18512): --fragments F slices of the weights synced at staggered
+steps, each all-reduce waited --overlap K steps after it starts (the wire runs under the compute), in bf16.
+"""
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
+
+from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
+from common.cli import NON_NEGATIVE, POSITIVE, FatalError, _number, flag, parse_config, run_main
+from common.data import load_fashion_mnist, locate_fashion_mnist
+from common.engine import MetricsLog, evaluate, train_one_epoch
+from common.model import NeuralNetwork
+from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker,
+                          destroy_process_group, name_rank_in_errors, print0, rank_device)
+
+WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def check_diloco(cfg):
+    """What the outer loop cannot train with, in one line before any rendezvous (or None)."""
+    if cfg.precision == "fp16":  # GradScaler skips a step on this rank's own overflow: the ranks' steps would drift
+        return ("diloco.py trains in --precision fp32 or bf16: fp16's GradScaler would skip the steps this rank's own "
+                "gradients overflowed in, and the ranks would sync after different inner steps; use --precision bf16")
+    if cfg.fragments > cfg.sync_every:
+        return (f"--fragments {cfg.fragments} is more than --sync-every {cfg.sync_every}: the fragments are synced "
+                f"H/F steps apart, at least one step; use at most {cfg.sync_every} fragments")
+    if cfg.overlap > cfg.sync_every:
+        return (f"--overlap {cfg.overlap} is more than --sync-every {cfg.sync_every}: a fragment's all-reduce must "
+                f"end before its next one starts; use an --overlap of at most {cfg.sync_every}")
+
+
+DILOCO_FLAGS = dict(
+    sync_every=flag(20, POSITIVE, "H: inner steps between a fragment's syncs", check=check_diloco),
+    outer_lr=flag(0.7, _number(float, lambda v: v > 0, "a positive number"),
+                  "the outer SGD's learning rate (DiLoCo's 0.7; 1, with momentum 0, steps to the ranks' mean)"),
+    outer_momentum=flag(0.9, _number(float, lambda v: 0 <= v < 1, "at least 0 and below 1"),
+                        "the outer SGD's Nesterov momentum (DiLoCo's 0.9; 0: plain SGD, torch's Nesterov needs some)"),
+    fragments=flag(1, POSITIVE, "F: equal flat slices of the weights, each synced every H steps, H/F steps apart"),
+    overlap=flag(0, NON_NEGATIVE, "K: inner steps from a fragment's all-reduce start to its wait (0: at once)"),
+    wire_dtype=flag("bf16", tuple(WIRE), "the pseudo-gradients' dtype on the wire (bf16: half of fp32's bytes)"))
+
+
+@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+def main():
+    cfg = parse_config(description=__doc__, **DILOCO_FLAGS)
+    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
+    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    name_rank_in_errors(rank, world_size)
+    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
+    # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
+    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+    ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+    try:
+        train(cfg, ctx)  # steps 4 to 7, below
+    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
+        destroy_process_group()  # dist.destroy_process_group(), without torch 2.6's hang (common/ranks.py)
+
+
+def train(cfg, ctx):
+    print0(ctx, cfg.describe())
+    print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
+    torch.set_num_threads(all_gather_flags(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
+    output = prepare_output(cfg.output)
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+
+    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
+    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
+        locate_fashion_mnist(cfg.data_dir)
+    dist.barrier()  # ... while the others wait here
+    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
+    train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
+                              sampler=train_sampler, collate_fn=default_convert)
+    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
+                             collate_fn=default_convert)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
+    model = NeuralNetwork().to(ctx.device)
+    # Step 5, wrap: by hand, every rank starts from rank 0's weights (what DDP's constructor does) ...
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if cfg.compile:  # in place (state_dict() keeps its keys): docs/benchmark.md says what it compiles
+        model.compile()
+    print0(ctx, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # the inner optimizer
+    # ... then trains alone; every H steps after the inner step, the ranks average how far they moved since the last
+    # sync (one all-reduce), and the outer optimizer steps the shared weights with it: every rank continues from them
+    diloco = DiLoCo(model, optimizer, cfg, ctx)
+    optimizer.register_step_post_hook(diloco.after_inner_step)
+    scaler = None  # no loss scaling: fp16, which needs it, is refused (check_diloco)
+
+    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx, diloco)  # 0, or the epochs it holds
+    metrics = MetricsLog(output, ctx, first_epoch)
+    # Step 6, epochs: each draws its own shuffle from seed + epoch.
+    for epoch in range(first_epoch, cfg.epochs):
+        print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
+        train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
+        # backward() leaves each rank its own gradients, step() takes them; every H steps the outer step follows
+        train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
+        evaluate(diloco.shared_model(), test_loader, epoch, ctx, metrics)  # the last outer step's: the same everywhere
+        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx, diloco)  # every --save-every epochs
+        if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
+            return
+    if diloco.last_sync():  # the steps since each fragment's last sync, averaged in too (after the last snapshot)
+        print0(ctx, "After the last sync, the weights model.pth holds:")
+        evaluate(diloco.shared_model(), test_loader, cfg.epochs - 1, ctx, MetricsLog(None, ctx))  # printed, not logged
+    print0(ctx, "Done!")
+
+    # Step 7, save: the shared weights, once (every rank holds the same).
+    if ctx.is_main:
+        save_weights(diloco.shared_model(), output / "model.pth")
+    print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+class DiLoCo:
+    """The outer loop, after each inner step: every H steps a fragment's pseudo-gradient (its weights at the last sync
+    minus this rank's now) is all-reduced, started then and waited K steps later, and the outer SGD steps with it."""
+
+    def __init__(self, model, optimizer, cfg, ctx):
+        self.cfg, self.ctx, self.inner, self.step = cfg, ctx, optimizer, 0  # step: inner steps taken, all epochs
+        self.params = params = list(model.parameters())
+        self.sizes = [p.numel() for p in params]
+        self.local = torch.cat([p.detach().reshape(-1) for p in params])  # this rank's weights as one flat vector ...
+        for p, flat in zip(params, self.local.split(self.sizes)):
+            p.data = flat.view_as(p)  # ... that the model's weights are views of: a fragment is a slice of it
+        self.shared = self.local.clone()  # the weights every rank agrees on, as of the last outer step
+        # F equal flat slices (not layers: the first holds 60% of the weights); views, stepped in place
+        self.fragments, self.mine = self.shared.tensor_split(cfg.fragments), self.local.tensor_split(cfg.fragments)
+        self.outer = torch.optim.SGD(self.fragments, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                     nesterov=cfg.outer_momentum > 0)  # torch's Nesterov needs momentum
+        self.offsets = [(i + 1) * cfg.sync_every // cfg.fragments % cfg.sync_every for i in range(cfg.fragments)]
+        self.started = [0] * cfg.fragments  # the step of each fragment's last all-reduce
+        self.in_flight = {}  # fragment -> [the step it is waited at, the all-reduce's Work (None once waited), sum]
+        self.evaluated = NeuralNetwork().to(ctx.device)
+
+    @torch.no_grad()
+    def after_inner_step(self, *_):
+        """The inner optimizer's step post-hook: the fragments due finished, then those due started (F=1: every H)."""
+        self.step += 1
+        for i in [i for i, (due, *_) in self.in_flight.items() if due == self.step]:
+            self.finish(i)
+        for i, offset in enumerate(self.offsets):  # fragment i at steps (i + 1) H / F + n H: staggered
+            if self.step % self.cfg.sync_every == offset:
+                self.start(i)
+                if self.cfg.overlap == 0:
+                    self.finish(i)
+
+    def start(self, i):
+        """Fragment i's pseudo-gradient, averaged over the ranks by an all-reduce that runs while the steps go on."""
+        pseudo_gradient = (self.fragments[i] - self.mine[i]) / self.ctx.world_size  # divided first, as DDP's bf16 hook
+        wire = pseudo_gradient.to(WIRE[self.cfg.wire_dtype])
+        work = dist.all_reduce(wire, async_op=True)  # returns at once; the sum lands in wire
+        self.in_flight[i], self.started[i] = [self.step + self.cfg.overlap, work, wire], self.step
+
+    def finish(self, i):
+        """Fragment i's all-reduce waited for, the outer step taken with it; this rank continues from the result."""
+        due, work, wire = self.in_flight.pop(i)
+        if work is not None:
+            work.wait()  # on a GPU: the stream waits (NCCL); gloo's thread has ended the sum
+        self.fragments[i].grad = wire.float()
+        self.outer.step()  # the outer SGD skips the fragments without a gradient: fragment i alone
+        self.fragments[i].grad = None
+        self.mine[i].copy_(self.fragments[i])  # every rank continues from the shared weights
+
+    @torch.no_grad()
+    def last_sync(self):
+        """After the last epoch: fragments in flight finished, the others synced if they trained since: True if any."""
+        idle = [i for i in range(self.cfg.fragments) if i not in self.in_flight and self.started[i] < self.step]
+        changed = bool(idle or self.in_flight)
+        for i in [*self.in_flight]:  # (the steps since it started are dropped, as at every sync)
+            self.finish(i)
+        for i in idle:
+            self.start(i)
+            self.finish(i)
+        return changed
+
+    @torch.no_grad()
+    def shared_model(self):
+        """A model holding the shared weights (the same on every rank): what is evaluated and saved."""
+        for p, flat in zip(self.evaluated.parameters(), self.shared.split(self.sizes)):
+            p.copy_(flat.view_as(p))
+        return self.evaluated
+
+    def all_gather(self, ctx):
+        """For rank 0's snapshot: the outer state, any fragment in flight (waited: its sum), every rank's weights."""
+        for flight in self.in_flight.values():
+            if flight[1] is not None:  # waited now, applied when due: the sum is the same whenever it is read
+                flight[1].wait()
+                flight[1] = None
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, dict(local=self.local.cpu(), momentum=[
+            self.inner.state[p]["momentum_buffer"].cpu() for p in self.params if self.inner.state[p]]))
+        return dict(flags={k: getattr(self.cfg, k) for k in DILOCO_FLAGS}, step=self.step, started=self.started,
+                    shared=self.shared, outer=self.outer.state_dict(), everyone=everyone,
+                    in_flight={i: (due, wire) for i, (due, _, wire) in self.in_flight.items()})
+
+    def load(self, saved, ctx, where):
+        """This rank's part of a snapshot; one line if it was made with other DiLoCo flags or another world size."""
+        if saved is None or saved["flags"] != {k: getattr(self.cfg, k) for k in DILOCO_FLAGS}:
+            raise FatalError(f"snapshot {where} was made with other DiLoCo flags ({saved and saved['flags']}): resume "
+                             f"with them, or delete it to start afresh")
+        if len(saved["everyone"]) != ctx.world_size:
+            raise FatalError(f"snapshot {where} holds the weights of {len(saved['everyone'])} ranks, this run has "
+                             f"{ctx.world_size}: resume with {len(saved['everyone'])} ranks (each trains its own), or "
+                             f"delete it")
+        mine = saved["everyone"][ctx.rank]
+        self.step, self.started = saved["step"], saved["started"]
+        self.shared.copy_(saved["shared"])
+        self.outer.load_state_dict(saved["outer"])
+        self.in_flight = {i: [due, None, wire.to(ctx.device)] for i, (due, wire) in saved["in_flight"].items()}
+        self.local.copy_(mine["local"])
+        for p, momentum in zip([p for p in self.params if self.inner.state[p]], mine["momentum"]):
+            self.inner.state[p]["momentum_buffer"].copy_(momentum)  # this rank's own (rank 0's was loaded)
+
+
+if __name__ == "__main__":
+    run_main(main)
