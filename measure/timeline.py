@@ -33,7 +33,7 @@ from common.cli import UsageError, run_main  # noqa: E402
 from measure import harness  # noqa: E402
 from measure.harness import DTYPE_BYTES, PROFILER_DTYPES  # noqa: E402
 
-TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py")
+TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py", "diloco.py")
 BASELINE = "single_gpu.py"
 COMPUTE = ("forward", "backward", "optimizer")
 MARK = "timeline:"  # this script's own profiler ranges: timeline:start, timeline:step, timeline:forward
@@ -228,7 +228,7 @@ def leaf_gaps(main, a, b):
 
 def step_events(merged, rank, window):
     """One rank's step on the common clock (µs): compute [kind, start, end, label], wire [kind, start, end, label,
-    drawn end, bytes, on a thread of the backend's own], and the gaps in its main thread."""
+    drawn end, bytes, on a thread of the backend's own, started in an optimizer step], and its main thread's gaps."""
     a, b = window
     mine = [e for e in merged if e.get("pid") == rank and e.get("ph") == "X"]
     inside = sorted((e for e in mine if a <= e["ts"] < b), key=lambda e: e["ts"])
@@ -255,6 +255,9 @@ def step_events(merged, rank, window):
                 t0, t1 = min(k["ts"] for k in on_gpu), max(k["ts"] + k.get("dur", 0) for k in on_gpu)
             nbytes = collective_bytes(e)
             wire.append([name.split(":", 1)[1], t0, t1, size_text(nbytes), t1, nbytes, e["tid"] != main_tid])
+    steps = [(t0, t1) for kind, t0, t1, label in found if kind == "optimizer"]
+    for w in wire:  # started by an optimizer step's hook (by hand's, DiLoCo's): it may be waited for steps later
+        w.append(any(t0 <= w[1] <= t1 for t0, t1 in steps))
     if kernels:  # a GPU rank: its compute as the GPU ran it, each kernel in the phase that launched it
         phases = [(k, t0, t1) for k, t0, t1, label in found if not label]
         launch = {x["args"].get("correlation"): x["ts"] for x in mine if x.get("cat") == "cuda_runtime"}
@@ -272,7 +275,7 @@ def waiting(wire, gaps, everyone_started):
     """The gaps in which the rank's main thread stood still while a collective was in flight: it waited on the wire.
     When one ends, the collective it waited for (the earliest started still open) was done, unless that is before
     every rank had started it (impossible): its drawn end moves there, where the backend's thread had not yet closed
-    it."""
+    it. Not for one an optimizer step's hook started: it may be waited for steps later (DiLoCo), gaps between."""
     waits = []
     for s, t in gaps:
         flying = sorted((w for w in wire if w[1] < t and w[2] > s), key=lambda w: w[1])  # gloo may start it late
@@ -280,18 +283,19 @@ def waiting(wire, gaps, everyone_started):
             continue
         waits.append((s, t))
         late = next((w for w in flying if w[4] > t), None)  # collectives are waited for in the order they started
-        if late and late[6] and t >= everyone_started[id(late)]:
+        if late and late[6] and not late[7] and t >= everyone_started[id(late)]:
             late[4] = t
     return waits
 
 
 def stepped_with(found, wire, everyone_started):
     """backward() returns only when every gradient reduction it started is done (DDP's and FSDP2's last hook waits
-    for them), so one started before the optimizer step was done when the step began: its drawn end goes no later."""
-    step = min((t0 for kind, t0, t1, label in found if kind == "optimizer"), default=None)
+    for them), so one started outside an optimizer step was done when the next one began: its drawn end goes no
+    later. (One started inside a step, by its hooks, may run on: DiLoCo's outer all-reduce is waited steps later.)"""
+    steps = sorted(t0 for kind, t0, t1, label in found if kind == "optimizer")
     for w in wire:
-        if step and w[6] and w[0] in ("all_reduce", "reduce_scatter") and w[1] < step < w[4] \
-                and step >= everyone_started[id(w)]:
+        step = next((t0 for t0 in steps if t0 > w[1]), None)
+        if step and w[6] and not w[7] and step < w[4] and step >= everyone_started[id(w)]:
             w[4] = step
 
 
@@ -418,12 +422,15 @@ def record(args, out, ranks, worker_cmd):
     (out / "chapter.log").write_text(printed)  # what the chapter printed (rank 0's lines)
 
 
-def median_step(merged, ranks):
-    """The recorded step of median length (first rank's start to last rank's end): its index, and its windows."""
-    steps = list(zip(*(windows(merged, rank) for rank in range(ranks))))
+def drawn_steps(windows_of, window):
+    """Which recorded steps are drawn: the median by length (first rank's start to last rank's end) for one, else
+    the first `window`; their index and each rank's (start, end)."""
+    steps = list(zip(*windows_of))
+    if window > 1:
+        return 0, [(mine[0][0], mine[window - 1][1]) for mine in windows_of]
     length = [max(b for a, b in w) - min(a for a, b in w) for w in steps]
     k = sorted(range(len(steps)), key=length.__getitem__)[(len(steps) - 1) // 2]
-    return k, steps[k]
+    return k, list(steps[k])
 
 
 def main():
@@ -437,6 +444,8 @@ def main():
                                                   "(10mbit, 100mbit, 1gbit, unlimited; needs root)")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps before the recording (default 3)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps recorded; the median one is drawn (default 5)")
+    p.add_argument("--window", type=int, default=1, help="draw the first N recorded steps together instead (DiLoCo's "
+                                                         "all-reduce runs under the steps after it)")
     p.add_argument("--no-baseline", action="store_true", help="leave out chapter 1's step (one process, same batch)")
     p.add_argument("--out", default="runs/timeline", help="folder for the traces and step.png (default runs/timeline)")
     p.add_argument("--png", help="where to draw the step (default OUT/step.png)")
@@ -446,6 +455,8 @@ def main():
     args.flags = unknown + flags
     if args.chapter not in TORCHRUN_CHAPTERS:
         raise UsageError(f"{args.chapter}: the timeline runs the chapters torchrun starts ({', '.join(TORCHRUN_CHAPTERS)})")
+    if not 1 <= args.window <= args.steps:
+        raise UsageError(f"--window {args.window}: draw 1 to --steps ({args.steps}) steps")
     out = Path(args.out)
     (out / "baseline").mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("rank*.json"), *out.glob("baseline/rank*.json")]:
@@ -459,7 +470,7 @@ def main():
     ranks = 2 if args.link else args.nproc
     record(args, out, ranks, command(args.chapter, out, args.flags))
     merged, offsets = merge(out, ranks)
-    k, step = median_step(merged, ranks)
+    k, step = drawn_steps([windows(merged, rank) for rank in range(ranks)], args.window)
     origin = min(a for a, b in step)
     rows, waits, ends, numbers, lengths = {}, {}, {}, {}, {}
     steps = [step_events(merged, rank, step[rank]) for rank in range(ranks)]
@@ -475,14 +486,14 @@ def main():
         harness.run(harness.torchrun(None, command(BASELINE, out / "baseline", [])), f"{BASELINE} under the profiler")
         alone = json.loads((out / "baseline" / "rank0.json").read_text())["traceEvents"]
         alone = [dict(e, pid=0) for e in alone if "ts" in e]
-        steps_alone = windows(alone, 0)
-        window = sorted(steps_alone, key=lambda w: w[1] - w[0])[(len(steps_alone) - 1) // 2]
+        _, (window,) = drawn_steps([windows(alone, 0)], args.window)
         found, wire, gaps = step_events(alone, 0, window)
         rows["chapter 1"], waits["chapter 1"] = step_spans((found, wire), window[0]), []
         ends["chapter 1"] = lengths["chapter 1"] = (window[1] - window[0]) / 1e3
     print(f"clock: rank 0's; " + ", ".join(f"rank {r} {o / 1e3:+.3f} ms (± {e / 1e3:.3f})"
                                           for r, (o, e) in enumerate(offsets) if r) + " from it, measured")
-    print(f"step {k + 1} of {args.steps} drawn (the median by length)")
+    drawn = f"steps 1-{args.window} of {args.steps}" if args.window > 1 else f"step {k + 1} of {args.steps}, the median"
+    print(f"{drawn} drawn" + ("" if args.window > 1 else " (by length)"))
     for name, spans in rows.items():  # the step in words: its collectives in order, its compute, its shares
         length = lengths[name]
         part = shares(spans, waits[name], ends[name] - length, ends[name])
@@ -504,7 +515,7 @@ def main():
     png = Path(args.png or out / "step.png")
     png.parent.mkdir(parents=True, exist_ok=True)
     if draw(rows, waits, ends, numbers, png, f"{' '.join([args.chapter, *args.flags])}, {ranks} ranks"
-            f"{f', {args.link}' if args.link else ', loopback'}: step {k + 1} of {args.steps}, the median"):
+            f"{f', {args.link}' if args.link else ', loopback'}: {drawn}"):
         print(f"Wrote {out / 'trace.json'} and {png}")
     else:
         print(f"Wrote {out / 'trace.json'} (no matplotlib: no step.png)")

@@ -284,7 +284,8 @@ MUTATIONS = [
         ("diloco.py", "            if self.step % self.cfg.sync_every == offset:",
          "            if self.step % self.cfg.sync_every == offset and i > 0:")),
     bug("diloco-async-waited-at-once", "streaming DiLoCo waits for a fragment's all-reduce K inner steps later",
-        ["tests/test_diloco.py::test_each_sync_sends_its_fragment_in_the_wire_dtype_and_waits_k_steps_later[fragments-overlap]"],
+        ["tests/test_diloco.py::test_each_sync_sends_its_fragment_in_the_wire_dtype_and_waits_k_steps_later[fragments-overlap]",
+         "tests/test_timeline.py::test_diloco_outer_all_reduce_runs_under_the_inner_steps"],
         ("diloco.py", "        work = dist.all_reduce(wire, async_op=True)  # returns at once; the sum lands in wire\n",
          "        work = dist.all_reduce(wire, async_op=True)  # returns at once; the sum lands in wire\n"
          "        work.wait()\n")),

@@ -62,7 +62,7 @@ def first_step(events, rank):
     return recorded_steps(events, rank)[0]
 
 
-def assert_obeys_physics(out, ranks):
+def assert_obeys_physics(out, ranks, steps=STEPS):
     """On the merged trace's one clock, in every recorded step: no rank ends a collective (the n-th of its kind) before
     every rank started it, as drawn (step.json's ends, where the rank went on) and as recorded; a pipeline stage
     starts micro-batch i's forward only after the stage before ended it, its backward only after the stage after
@@ -70,23 +70,26 @@ def assert_obeys_physics(out, ranks):
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     drawn = json.loads((out / "step.json").read_text())
     slack = (max(bound for _, bound in drawn["offsets"]) + TOLERANCE_MS * 1e3) / 1e3  # ms
+    recorded = steps
     steps = [recorded_steps(events, rank) for rank in range(ranks)]
-    assert {len(s) for s in steps} == {STEPS}, [len(s) for s in steps]
+    assert {len(s) for s in steps} == {recorded}, [len(s) for s in steps]
     ms = lambda e: (e["ts"] / 1e3, (e["ts"] + e.get("dur", 0)) / 1e3)
-    for k in range(STEPS):
-        wire = [{} for _ in range(ranks)]
-        chunks = [{} for _ in range(ranks)]
-        for rank in range(ranks):
-            for e in steps[rank][k]:
-                if re.match(r"(gloo|nccl):", e["name"]) and e["name"] not in ("gloo:send", "gloo:recv"):
-                    wire[rank].setdefault(e["name"], []).append(ms(e))
-                elif m := re.fullmatch(r"timeline:([FB]\d+)", e["name"]):
-                    chunks[rank][m[1]] = ms(e)
-        for kind in wire[0]:
-            for n in range(len(wire[0][kind])):
-                started = max(wire[r][kind][n][0] for r in range(ranks))
-                ended = min(wire[r][kind][n][1] for r in range(ranks))
-                assert ended >= started - slack, (k, kind, n, [wire[r][kind][n] for r in range(ranks)])
+    # collectives matched by their order over the whole recording (one a step's hook starts may fall either side of
+    # the step's end on different ranks), a pipeline's micro-batches within each step
+    wire = [{} for _ in range(ranks)]
+    for rank in range(ranks):
+        for e in (e for step in steps[rank] for e in step):
+            if re.match(r"(gloo|nccl):", e["name"]) and e["name"] not in ("gloo:send", "gloo:recv"):
+                wire[rank].setdefault(e["name"], []).append(ms(e))
+    assert all(len(wire[r].get(kind, [])) == len(wire[0][kind]) for kind in wire[0] for r in range(ranks)), wire
+    for kind in wire[0]:
+        for n in range(len(wire[0][kind])):
+            started = max(wire[r][kind][n][0] for r in range(ranks))
+            ended = min(wire[r][kind][n][1] for r in range(ranks))
+            assert ended >= started - slack, (kind, n, [wire[r][kind][n] for r in range(ranks)])
+    for k in range(recorded):
+        chunks = [{m[1]: ms(e) for e in steps[rank][k] if (m := re.fullmatch(r"timeline:([FB]\d+)", e["name"]))}
+                  for rank in range(ranks)]
         for stage in range(1, ranks if chunks[0] else 0):
             for label, (start, _) in chunks[stage].items():
                 if label[0] == "F":
@@ -165,6 +168,33 @@ def test_timeline_across_two_machines_waits_for_the_link(tmp_path):
         span_s = (max(e["ts"] + e["dur"] for e in sent) - min(e["ts"] for e in sent)) / 1e6
         assert span_s >= sum(COLLECTIVES["ddp_launch.py"]["all_reduce"]) / 2 * 8 / 100e6, span_s
     assert_obeys_physics(tmp_path, 2)
+
+
+def test_diloco_outer_all_reduce_runs_under_the_inner_steps(tmp_path):
+    """Chapter 11 across the two machines at 10 Mbit/s, --sync-every 4 --overlap 2, 8 steps drawn together: each outer
+    all-reduce (the pseudo-gradient in bf16, 1,339,412 bytes, about 1 s on this link) starts in an inner step's hook
+    and the next inner steps' forwards run while it is on the wire, until the wait two steps later. Waited at once,
+    no forward would start before it ended."""
+    from test_multinode import need_namespaces
+    need_namespaces()
+    proc = subprocess.run([sys.executable, "measure/timeline.py", "diloco.py", "--link", "10mbit", "--steps", "8",
+                           "--window", "8", "--no-baseline", "--out", str(tmp_path), "--", "--sync-every", "4",
+                           "--overlap", "2"], cwd=REPO, env=BASE_ENV, capture_output=True, text=True, timeout=300)
+    if "cannot shape" in proc.stderr:
+        from test_scaling import cannot_shape
+        cannot_shape(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr
+    assert "steps 1-8 of 8 drawn" in proc.stdout, proc.stdout
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        mine = [e for e in events if e.get("pid") == rank and e.get("ph") == "X"]
+        outer = [e for e in mine if e["name"] == "gloo:all_reduce" and collective_bytes(e) == 669_706 * 2]
+        assert len(outer) == 2, [(e["name"], collective_bytes(e)) for e in mine if e["name"].startswith("gloo:")]
+        forwards = [e for e in mine if e["name"] == "timeline:forward"]
+        for e in outer:
+            under = [f for f in forwards if e["ts"] < f["ts"] and f["ts"] + f["dur"] < e["ts"] + e["dur"]]
+            assert len(under) >= 2, (rank, e, under)  # the model's forward (and its loss's) in the steps after
+    assert_obeys_physics(tmp_path, 2, steps=8)
 
 
 def test_merge_recovers_a_clock_skew_planted_in_one_rank(tmp_path):
