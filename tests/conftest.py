@@ -105,6 +105,7 @@ QUICK = [
     "tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[eval-on-rank0]",
     "tests/test_tensor_parallel.py::test_tensor_parallel_trains_the_same_model[2ranks-dp1]",
     "tests/test_pipeline.py::test_the_pipeline_trains_the_same_model[2stages-1f1b]",
+    "tests/test_diloco.py::test_diloco_trains_post_local_sgds_model[2]",
     # the chapters read as the lesson, and refuse what cannot work in one line
     "tests/test_ddp.py::test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom",
     "tests/test_ddp.py::test_chapters_1_and_2_mark_the_steps_they_share",
