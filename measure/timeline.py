@@ -256,8 +256,10 @@ def step_events(merged, rank, window):
             nbytes = collective_bytes(e)
             wire.append([name.split(":", 1)[1], t0, t1, size_text(nbytes), t1, nbytes, e["tid"] != main_tid])
     steps = [(t0, t1) for kind, t0, t1, label in found if kind == "optimizer"]
-    for w in wire:  # started by an optimizer step's hook (by hand's, DiLoCo's): it may be waited for steps later
-        w.append(any(t0 <= w[1] <= t1 for t0, t1 in steps))
+    launches = sorted(e["ts"] for e in inside if e["tid"] == main_tid and e["name"].startswith("c10d::"))
+    for w in wire:  # launched by an optimizer step's hook (by hand's, DiLoCo's): it may be waited for steps later
+        launch = max((t for t in launches if t <= w[1]), default=w[1])  # the backend's thread may start it later
+        w.append(any(t0 <= launch <= t1 for t0, t1 in steps))
     if kernels:  # a GPU rank: its compute as the GPU ran it, each kernel in the phase that launched it
         phases = [(k, t0, t1) for k, t0, t1, label in found if not label]
         launch = {x["args"].get("correlation"): x["ts"] for x in mine if x.get("cat") == "cuda_runtime"}
