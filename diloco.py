@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
-from common.cli import NON_NEGATIVE, POSITIVE, FatalError, _number, flag, parse_config, run_main
+from common.cli import MOMENTUM, NON_NEGATIVE, POSITIVE, RATE, FatalError, flag, parse_config, run_main
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
@@ -44,9 +44,9 @@ def check_diloco(cfg):
 
 DILOCO_FLAGS = dict(
     sync_every=flag(20, POSITIVE, "H: inner steps between a fragment's syncs", check=check_diloco),
-    outer_lr=flag(0.7, _number(float, lambda v: v > 0, "a positive number"),
+    outer_lr=flag(0.7, RATE,
                   "the outer SGD's learning rate (DiLoCo's 0.7; 1, with momentum 0, steps to the ranks' mean)"),
-    outer_momentum=flag(0.9, _number(float, lambda v: 0 <= v < 1, "at least 0 and below 1"),
+    outer_momentum=flag(0.9, MOMENTUM,
                         "the outer SGD's Nesterov momentum (DiLoCo's 0.9; 0: plain SGD, torch's Nesterov needs some)"),
     fragments=flag(1, POSITIVE, "F: equal flat slices of the weights, each synced every H steps, H/F steps apart"),
     overlap=flag(0, NON_NEGATIVE, "K: inner steps from a fragment's all-reduce start to its wait (0: at once)"),

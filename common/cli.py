@@ -38,6 +38,8 @@ def _number(kind, ok, words):
 
 POSITIVE = _number(int, lambda v: v >= 1, "a positive integer")
 NON_NEGATIVE = _number(int, lambda v: v >= 0, "an integer >= 0")
+RATE = _number(float, lambda v: v > 0, "a positive number")  # a learning rate
+MOMENTUM = _number(float, lambda v: 0 <= v < 1, "at least 0 and below 1")
 REQUIRED = object()  # the default of a chapter flag that must be given
 
 
@@ -61,8 +63,8 @@ class Config:
 
     epochs: int = flag(5, POSITIVE, "passes over the training set (the quickstart's 5 reach ~64%% test accuracy)")
     batch_size: int = flag(64, POSITIVE, "GLOBAL batch, split evenly over the ranks: the same model at any world size")
-    lr: float = flag(1e-3, _number(float, lambda v: v > 0, "a positive number"), "SGD learning rate (the quickstart's)")
-    momentum: float = flag(0.0, _number(float, lambda v: 0 <= v < 1, "at least 0 and below 1"),
+    lr: float = flag(1e-3, RATE, "SGD learning rate (the quickstart's)")
+    momentum: float = flag(0.0, MOMENTUM,
                            "SGD momentum (0: the quickstart's plain SGD; above 0 the optimizer has state to save)")
     seed: int = flag(0, int, "seed for the weights and the shuffling: the same seed and batch, the same model")
     data_dir: Optional[str] = flag(None, str, "the folder torchvision reads FashionMNIST from (default ./data)")
