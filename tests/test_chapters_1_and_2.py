@@ -6,7 +6,8 @@ import torch
 
 from common.model import NeuralNetwork
 from scripts.plot_curves import read_metrics
-from conftest import assert_same_curves, load_state, max_abs_diff, run_script
+from support.run import run_script
+from support.same_model import assert_same_curves, load_state, max_abs_diff
 
 SLICE = ["--train-samples", "1280", "--test-samples", "500", "--epochs", "2", "--log-every", "5"]
 CHAPTERS = ["single_gpu.py", "dataparallel.py"]

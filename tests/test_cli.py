@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from common.cli import Config, parse_config
-from conftest import run_script
+from support.run import run_script
 
 
 def test_defaults_are_the_quickstarts():

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from common.model import NeuralNetwork
-from conftest import BASE_ENV, REPO, load_state, max_abs_diff, run_forked_cases, run_script, slice_args
-from test_ddp import _accuracy_lines, launch
+from support import REPO
+from support.launchers import launch
+from support.run import BASE_ENV, run_code, run_forked_cases, run_script
+from support.same_model import accuracy_lines, load_state, max_abs_diff, slice_args
 
 RESUMED = 0.0  # a resumed run against the uninterrupted one: the same steps, in the same memory layout
 
@@ -39,11 +41,12 @@ def test_a_hook_with_state_resumes_as_the_uninterrupted_run(kind, hook, flags, r
     assert "Resuming from" in log and "1 of 2 epochs done" in log, log
     assert max_abs_diff(load_state(tmp_path / "straight" / "model.pth"),
                         load_state(tmp_path / "resumed" / "model.pth")) <= RESUMED
-    assert _accuracy_lines(log)[-1] == _accuracy_lines(straight)[-1]
+    assert accuracy_lines(log)[-1] == accuracy_lines(straight)[-1]
 
 
 
-# The environment a user's shell has: no OMP_NUM_THREADS, nothing on PYTHONPATH (so no tests/cuda_defaults either).
+# The environment a user's shell has: no OMP_NUM_THREADS, nothing on PYTHONPATH (so no tests/programs/cuda_defaults
+# either).
 USER_ENV = {k: v for k, v in BASE_ENV.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
 
 
@@ -118,14 +121,6 @@ def test_a_hook_that_cannot_work_is_one_line(case, refused_runs):
     proc = refused_runs[case]
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert REFUSED[case][1] in proc.stderr, proc.stderr
-
-
-def run_code(code, *args):
-    """Python code in a process of its own, with the project on its path; it must exit 0."""
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=REPO, env=dict(
-        BASE_ENV, PYTHONPATH=f"{REPO}:{BASE_ENV['PYTHONPATH']}"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 # A PowerSGD state made by DDP's real hook at world size 1 (3 steps: 2 plain, then a compressed one), written into a

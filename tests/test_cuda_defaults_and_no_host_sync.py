@@ -21,7 +21,8 @@ from common.data import load_fashion_mnist
 from common.engine import MetricsLog
 from common.model import NeuralNetwork
 from common.ranks import DistContext
-from conftest import BASE_ENV, REPO
+from support import REPO
+from support.run import BASE_ENV
 
 DEFAULTS = """
 import torch

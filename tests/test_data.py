@@ -9,7 +9,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, default_con
 
 from common import data
 from common.cli import Config, FatalError
-from conftest import BASE_ENV, FILES, SPLIT_SIZES, load_state, make_fake_fashion_mnist, max_abs_diff
+from support.data import FILES, SPLIT_SIZES, make_fake_fashion_mnist
+from support.run import BASE_ENV
+from support.same_model import load_state, max_abs_diff
 
 
 def load(folder, device="cpu"):
@@ -175,8 +177,9 @@ def test_the_ranks_of_one_machine_download_the_data_once(real_data, reference, t
     """No ./data and no system copy: three torchrun ranks start together. Local rank 0 downloads FashionMNIST with
     torchvision (its mirror played by a proxy on 127.0.0.1 serving Debian's files) while the others wait; every file
     is fetched once, not three times into one folder, and the ranks train chapter 1's model."""
-    from conftest import REPO, SLICE, TORCHRUN
-    from test_ddp import SAME_MODEL, _accuracy_lines
+    from support import REPO
+    from support.run import TORCHRUN
+    from support.same_model import SAME_MODEL, SLICE, accuracy_lines
 
     handler = type("Mirror", (_Mirror,), dict(folder=data.Path("/usr/share/datasets/fashion-mnist"), fetched={}))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -203,4 +206,4 @@ def test_the_ranks_of_one_machine_download_the_data_once(real_data, reference, t
                                                     "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
     assert "Data: data (960 train / 500 test images)" in out  # ./data, which local rank 0 filled
     assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
-    assert _accuracy_lines(out) == _accuracy_lines(reference[1])
+    assert accuracy_lines(out) == accuracy_lines(reference[1])

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, run_script, slice_args
-from test_ddp import SAME_MODEL
-from test_faults import Watched
-from test_torch_range import GLOO_FLIGHT_RECORDER
+from support.long_runs import Watched
+from support.run import BASE_ENV, TORCHRUN, run_script
+from support.same_model import SAME_MODEL, load_state, max_abs_diff, slice_args
+from support.torch_features import GLOO_FLIGHT_RECORDER
 
 pytestmark = pytest.mark.skipif(not GLOO_FLIGHT_RECORDER,
                                 reason="debug_hang.py refuses on this torch's CPU (tests/test_torch_range.py)")
@@ -100,7 +100,7 @@ def test_detail_check_keeps_torchs_own_words():
 def test_uneven_batches_without_train_samples_is_uneven(procs, tmp_path):
     """`--bug uneven-batches` alone shows its bug on any training set: the case cuts it to one image more than whole
     global batches (fake data: 256 images, batches of 48: 241, so 6 batches on rank 0 and 5 on rank 1)."""
-    from conftest import make_fake_fashion_mnist
+    from support.data import make_fake_fashion_mnist
 
     make_fake_fashion_mnist(tmp_path / "fmnist")
     data_args = ["--data-dir", str(tmp_path / "fmnist"), "--output", str(tmp_path / "out"), "--batch-size", "48",
@@ -115,7 +115,7 @@ def test_early_stop_alone_stops_after_epoch_2_on_the_full_data():
     losses in RUN.md, printed by the real run, reach the plateau rule in epoch 2."""
     import debug_hang
 
-    from conftest import REPO
+    from support import REPO
 
     chapter_1 = (REPO / "RUN.md").read_text().split("## Chapter 2")[0]
     losses = [float(x) for x in re.findall(r"Avg loss: ([\d.]+)", chapter_1)][:5]

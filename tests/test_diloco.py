@@ -11,10 +11,9 @@ from common.data import load_fashion_mnist
 from common.engine import MetricsLog, evaluate
 from common.model import NeuralNetwork
 from common.ranks import DistContext
-from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, run_forked, slice_args
 from scripts.plot_curves import read_metrics
-from test_comm_hooks import run_code
-from test_ddp import SAME_MODEL, _accuracy_lines
+from support.run import BASE_ENV, TORCHRUN, run_code, run_forked
+from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
 
 # SLICE's 20 steps an epoch: H = 5 divides them, so post-local SGD's average at an epoch's end is a DiLoCo sync too
 AS_LOCALSGD = ["--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0", "--momentum", "0", "--fragments", "1",
@@ -41,7 +40,7 @@ def test_diloco_trains_post_local_sgds_model(world, real_data, tmp_path, procs):
     diff = max_abs_diff(load_state(tmp_path / "diloco" / "model.pth"), load_state(tmp_path / "localsgd" / "model.pth"))
     print(f"max |diff| against post-local SGD at {world} ranks: {diff:.3g}")
     assert diff <= SAME_MODEL
-    assert _accuracy_lines(log) == _accuracy_lines(ref) and len(_accuracy_lines(log)) == 2
+    assert accuracy_lines(log) == accuracy_lines(ref) and len(accuracy_lines(log)) == 2
 
 
 def test_a_resumed_run_ends_as_the_uninterrupted_one_as_a_user_runs_it(real_data, tmp_path, procs):
@@ -56,7 +55,7 @@ def test_a_resumed_run_ends_as_the_uninterrupted_one_as_a_user_runs_it(real_data
     assert "Resuming from" in log and "1 of 2 epochs done" in log, log
     assert max_abs_diff(load_state(tmp_path / "straight" / "model.pth"),
                         load_state(tmp_path / "resumed" / "model.pth")) == 0.0
-    assert _accuracy_lines(log)[-2:] == _accuracy_lines(straight)[-2:]
+    assert accuracy_lines(log)[-2:] == accuracy_lines(straight)[-2:]
 
 
 def test_the_epoch_is_evaluated_on_the_shared_weights(real_data, tmp_path, procs):

@@ -23,10 +23,11 @@ import pytest
 import torch
 
 from common.model import NeuralNetwork
-from ports import free_port
-from conftest import BASE_ENV, REPO, TORCHRUN, fake_scontrol, make_fake_fashion_mnist, no_abort_at_exit, run_script
-from test_ddp import stale_rendezvous_file
-from test_faults import SLURM_ENV  # rank 0 of a 2-task job on localhost
+from support import REPO
+from support.data import make_fake_fashion_mnist
+from support.launchers import SLURM_ENV, fake_scontrol, stale_rendezvous_file
+from support.ports import free_port
+from support.run import BASE_ENV, TORCHRUN, no_abort_at_exit, run_script
 
 # (pattern, reason): commands that are not run here, and why. A doc command must match one, or run.
 NOT_RUN_HERE = [
@@ -291,7 +292,7 @@ MAKE_IT_PRINT = {
     "GLOO_SOCKET_IFNAME=": lambda tmp, stack: (
         "ddp_tcp_manual.py", _tcp(f"tcp://127.0.0.1:{free_port()}", world=1), dict(GLOO_SOCKET_IFNAME="eth99")),
     "The connection to the C10d store has failed": "tests/test_multinode.py::test_c10d_endpoint_on_a_second_address_needs_is_host",
-    "EADDRINUSE": "tests/test_ddp.py::test_busy_port_is_named",
+    "EADDRINUSE": "tests/test_rendezvous.py::test_busy_port_is_named",
     "must split evenly over 3 ranks": lambda tmp, stack: ("ddp_mp.py", ["--nprocs", "3"], {}),
     "must split into --accum-steps": lambda tmp, stack: ("single_gpu.py", ["--batch-size", "48", "--accum-steps", "5"], {}),
     "fsdp.py trains in --precision fp32 or bf16": lambda tmp, stack: ("fsdp.py", ["--precision", "fp16"], {}),

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from common import ranks
 from common.cli import EXPLAINED, FatalError, explain
-from conftest import BASE_ENV, REPO
+from support import REPO
+from support.run import BASE_ENV
 
 EXPLAINED.extend(x for x in ranks.DISTRIBUTED_ERRORS if x not in EXPLAINED)  # as a rank's name_rank_in_errors does
 

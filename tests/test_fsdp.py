@@ -6,16 +6,17 @@ import subprocess
 import pytest
 
 from scripts.plot_curves import read_metrics
-from conftest import (REPO, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, run_script,
-                      slice_args, torchrun_script)
-from test_faults import TORCHRUN_ENV
-from test_torch_range import FSDP2_ON_CPU
+from support import REPO
+from support.launchers import TORCHRUN_ENV
+from support.run import Runs, TORCHRUN, run_forked_cases, run_script, torchrun_script
+from support.same_model import SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
+from support.torch_features import FSDP2_ON_CPU
 
 pytestmark = pytest.mark.skipif(not FSDP2_ON_CPU, reason="fsdp.py refuses on this torch's CPU (tests/test_torch_range.py)")
 
 # Measured on torch 2.14.1, 1 thread per rank, SLICE's 40 steps: 0 at 1 rank, 3.7e-9 at 2 and 3 ranks (the
-# reduce-scatter averages 2-3 shards' gradients where chapter 1 has one batch): the DDP chapters' bound holds.
-from test_ddp import SAME_MODEL  # noqa: E402
+# reduce-scatter averages 2-3 shards' gradients where chapter 1 has one batch): the DDP chapters' bound (SAME_MODEL)
+# holds.
 # A run with momentum saved on 2 ranks and resumed on 3 against the uninterrupted 2-rank run: measured 5.6e-9 (epoch
 # 2's gradients are averaged over 3 ranks instead of 2). Resumed on 2 ranks it is the same run, bit for bit.
 RESHARDED = 1e-6
@@ -48,7 +49,7 @@ def test_fsdp_trains_the_same_model(world, fsdp_runs, reference):
     assert state.keys() == ref_state.keys() and all(state[k].shape == ref_state[k].shape for k in state)
     assert max_abs_diff(ref_state, state) <= SAME_MODEL
     assert_same_curves(read_metrics(out), ref_metrics)
-    assert re.findall(r"Accuracy: [\d.]+%", log) == re.findall(r"Accuracy: [\d.]+%", ref_log)
+    assert accuracy_lines(log) == accuracy_lines(ref_log)
     assert log.count("Epoch 1\n") == 1 and log.count("Done!") == 1 and "FSDPLinear(" in log
     assert sorted(re.findall(r"\[rank (\d+)\] host=", log)) == [str(r) for r in range(world)]
 
@@ -146,7 +147,7 @@ def test_uneven_test_shards_run_the_same_number_of_batches(real_data, tmp_path, 
     assert code == 0, err
     single = run_script("single_gpu.py", *args, "--output", tmp_path / "single")
     assert single.returncode == 0, single.stderr
-    assert re.findall(r"Accuracy: [\d.]+%", log) == re.findall(r"Accuracy: [\d.]+%", single.stdout)
+    assert accuracy_lines(log) == accuracy_lines(single.stdout)
 
 
 BAD_FLAGS = [

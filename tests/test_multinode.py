@@ -1,7 +1,8 @@
 """Two machines for real: two network namespaces (nodea 10.77.0.1, nodeb 10.77.0.2) with their own host names.
 
 Each node runs its launcher as the README tells users to, with GLOO_SOCKET_IFNAME set to the interface on the
-shared network; the output folder and snapshot stand for a filesystem both machines mount.
+shared network (tests/support/two_machines.py); the output folder and snapshot stand for a filesystem both machines
+mount.
 """
 import os
 import re
@@ -10,55 +11,12 @@ import sys
 
 import pytest
 
-from ports import free_port
-from conftest import BASE_ENV, TORCHRUN, load_state, max_abs_diff, slice_args
-from measure.netns import IFNAME, NODES, TwoMachines, why_not
-from test_ddp import SAME_MODEL
-from test_faults import Watched, args_for, worker_with_rank
-
-NODE_ENV = dict(BASE_ENV, GLOO_SOCKET_IFNAME=IFNAME)
-A, B = NODES  # "nodea", "nodeb"
-PORT = "29500"  # each node has its own network stack, so the README's port is free on both
-
-
-def need_namespaces():
-    """A skip with the reason where namespaces cannot be made here (a failure under CI)."""
-    reason = why_not()
-    if reason:
-        pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
-
-
-@pytest.fixture
-def two_machines():
-    """TwoMachines(), where namespaces can be made."""
-    need_namespaces()
-    with TwoMachines() as net:
-        yield net
-
-
-def run_on_both(net, procs, commands, env=NODE_ENV, timeout=240):
-    """Start commands[node] on each node, wait for both; [(returncode, stdout, stderr)] in node order."""
-    started = [procs.start(net.command(node, cmd), env=env) for node, cmd in commands.items()]
-    return [procs.wait(p, timeout=timeout) for p in started]
-
-
-def torchrun_nodes(rendezvous, script_args, *more):
-    """The torchrun command of each node: 1 process per node, 2 nodes, meeting as `rendezvous` says."""
-    static = rendezvous == "static"
-    return {node: [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", *more,
-                   *(["--node-rank", str(i), "--master-addr", NODES[A], "--master-port", PORT] if static else
-                     ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{NODES[A]}:{PORT}", "--rdzv-id", "job1"]),
-                   "ddp_launch.py", *script_args] for i, node in enumerate(NODES)}
-
-
-def tcp_nodes(script_args):
-    """Chapter 5 by hand: rank 0 on nodea listening at its address, rank 1 on nodeb."""
-    return {node: [sys.executable, "ddp_tcp_manual.py", "--init-method", f"tcp://{NODES[A]}:{PORT}", "--rank", str(i),
-                   "--world-size", "2", *script_args] for i, node in enumerate(NODES)}
-
-
-def accuracy_lines(log):
-    return re.findall(r"Accuracy: [\d.]+%", log)
+from measure.netns import NODES, TwoMachines
+from support.long_runs import Watched, args_for, worker_with_rank
+from support.ports import free_port
+from support.run import BASE_ENV, TORCHRUN
+from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
+from support.two_machines import A, B, NODE_ENV, PORT, need_namespaces, run_on_both, tcp_nodes, torchrun_nodes
 
 
 @pytest.mark.parametrize("how", ["torchrun-static", "torchrun-c10d", "tcp"])

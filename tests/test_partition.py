@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from conftest import load_state, max_abs_diff, torchrun_script
 from measure.netns import NODES
-from test_faults import Watched, args_for
-from test_multinode import NODE_ENV, tcp_nodes, torchrun_nodes, two_machines  # noqa: F401
+from support.long_runs import Watched, args_for
+from support.run import torchrun_script
+from support.same_model import load_state, max_abs_diff
+from support.two_machines import NODE_ENV, tcp_nodes, torchrun_nodes
 
 A, B = NODES
 TIMEOUT = 20  # --timeout: what a rank waits in a collective before it gives up on its peer

@@ -1,17 +1,16 @@
 """Chapter 10 through torchrun: 2 and 3 pipeline stages, GPipe and 1F1B, train chapter 1's model; snapshots recut."""
-import os
 import re
-import signal
-import time
 
 import pytest
 
 from pipeline import pipelining_missing
 from scripts.plot_curves import read_metrics
-from conftest import (REPO, SLICE, TORCHRUN, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, run_script,
-                      slice_args, torchrun_script)
-from test_ddp import SAME_MODEL
-from test_faults import TORCHRUN_ENV
+from support import REPO
+from support.launchers import TORCHRUN_ENV
+from support.run import Runs, run_forked_cases, run_script, torchrun_script
+from support.long_runs import freeze_a_rank_mid_training
+from support.same_model import (SAME_MODEL, SLICE, accuracy_lines, assert_same_curves, load_state, max_abs_diff,
+                                printed_test_losses, slice_args)
 
 pytestmark = pytest.mark.skipif(bool(pipelining_missing()), reason=str(pipelining_missing()))  # torch 2.6: refused
 # Measured on torch 2.14.1, 1 thread per rank: 3.7e-9 at 2 and 3 stages, both schedules, on SLICE and on 996 images
@@ -44,17 +43,6 @@ def pipeline_runs(real_data, tmp_path_factory, procs_module):
     return Runs(run)
 
 
-def accuracy_lines(log):
-    return re.findall(r"Accuracy: [\d.]+%", log)
-
-
-def test_losses(log):
-    return [float(x) for x in re.findall(r"Avg loss: ([\d.]+)", log)]
-
-
-test_losses.__test__ = False  # a helper, not a test
-
-
 @pytest.mark.parametrize("world,schedule", CASES, ids=[f"{w}stages-{s}" for w, s in CASES])
 def test_the_pipeline_trains_the_same_model(world, schedule, pipeline_runs, reference):
     out, log, err = pipeline_runs[world, schedule]
@@ -64,7 +52,7 @@ def test_the_pipeline_trains_the_same_model(world, schedule, pipeline_runs, refe
     assert max_abs_diff(ref_state, state) <= SAME_MODEL
     assert_same_curves(read_metrics(out), ref_metrics)
     assert accuracy_lines(log) == accuracy_lines(ref_log)  # every test image once: 500 in 11 batches, the last padded
-    assert test_losses(log) == pytest.approx(test_losses(ref_log), abs=2e-6)
+    assert printed_test_losses(log) == pytest.approx(printed_test_losses(ref_log), abs=2e-6)
     assert f"Pipeline: {world} stage(s), 4 micro-batches of 12 images per step, schedule {schedule}" in log
     assert log.count("Done!") == 1 and sorted(re.findall(r"\[rank (\d+)\] host=", log)) == [str(r) for r in range(world)]
 
@@ -137,49 +125,6 @@ def test_a_stage_whose_peer_stops_answering_ends_within_the_timeout(real_data, t
     assert seconds >= 9, seconds  # it did wait for its peer: the timeout, not something else, ended it
     lines = [line for line in err.splitlines() if line.startswith("error: [rank 0]")]
     assert len(lines) == 1, err
-
-
-def freeze_a_rank_mid_training(procs, script, nprocs, args, run_dir, frozen, grace, first_test_within=120):
-    """Start script under torchrun with --timeout 10 for 50 epochs; once its first test is written, freeze rank
-    `frozen` (SIGSTOP) and time how long rank 0 goes on (at most 10 + grace seconds). The frozen rank is let go
-    (SIGCONT) once rank 0 has ended, so that torchrun's SIGTERM reaches it at once rather than its SIGKILL 30 s
-    later. Returns (seconds, exit code, stdout, stderr)."""
-    args = [*map(str, args), "--epochs", "50", "--timeout", "10"]
-    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(nprocs), script, *args])
-    deadline = time.monotonic() + first_test_within
-    while not (run_dir / "metrics.jsonl").exists() or "epoch" not in (run_dir / "metrics.jsonl").read_text():
-        assert time.monotonic() < deadline and p.poll() is None, "the run did not reach its first test"
-        time.sleep(0.2)
-    rank0, victim = (next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_rank(int(pid), r, p.pid))
-                     for r in (0, frozen))
-    os.kill(victim, signal.SIGSTOP)
-    stopped = time.monotonic()
-    while _running(rank0):
-        assert time.monotonic() - stopped < 10 + grace, "rank 0 still waits on its frozen peer"
-        time.sleep(0.1)
-    seconds = time.monotonic() - stopped
-    os.kill(victim, signal.SIGCONT)
-    code, out, err = procs.wait(p, timeout=120)
-    return seconds, code, out, err
-
-
-def _running(pid):
-    """Whether pid is alive and not a zombie."""
-    try:
-        return "\nState:\tZ" not in open(f"/proc/{pid}/status").read()
-    except OSError:
-        return False
-
-
-def _is_rank(pid, rank, torchrun_pid):
-    """Whether process pid is a worker of the torchrun torchrun_pid with RANK=rank."""
-    try:
-        status = open(f"/proc/{pid}/status").read()
-        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
-        return False
-    parent = int(re.search(r"PPid:\s+(\d+)", status)[1])
-    return parent == torchrun_pid and f"RANK={rank}".encode() in environ
 
 
 BAD_FLAGS = [

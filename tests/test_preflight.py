@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TORCHRUN
 from measure.netns import IFNAME, NODES, TwoMachines
-from test_multinode import NODE_ENV, PORT, need_namespaces
+from support import REPO
+from support.run import TORCHRUN
+from support.two_machines import NODE_ENV, PORT, need_namespaces
 
 OK = re.compile(r"^preflight: OK: 2 ranks on (\d) hosts? \((.+)\); 16 MiB all_reduce (\d+\.\d+) GB/s, broadcast "
                 r"(\d+\.\d+) GB/s \(bus bandwidth, gloo\)$", re.M)

@@ -4,7 +4,7 @@ import re
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from support import REPO
 
 SCRIPT = """#!/bin/bash
 #SBATCH --nodes=1 --ntasks=2 --cpus-per-task=1

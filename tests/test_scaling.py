@@ -10,17 +10,13 @@ import sys
 import pytest
 import torch
 
-from conftest import BASE_ENV, REPO, load_state, max_abs_diff, slice_args
 from measure.netns import NODES, burst_bytes, tc_bits
-from test_ddp import SAME_MODEL
-from test_multinode import accuracy_lines, need_namespaces, run_on_both, torchrun_nodes, two_machines  # noqa: F401
+from support import REPO
+from support.run import BASE_ENV
+from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
+from support.two_machines import cannot_shape, need_namespaces, run_on_both, torchrun_nodes
 
 MODEL_BYTES = 669_706 * 4  # the quickstart MLP's fp32 weights, and so its gradients
-
-
-def cannot_shape(reason):
-    """A test that needs a shaped link says in one line why it cannot have one: a skip, a failure under CI."""
-    pytest.fail(reason) if os.environ.get("CI") else pytest.skip(reason)
 
 
 def shaped(net, rate):

@@ -2,41 +2,14 @@
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from scripts.plot_curves import read_metrics
-from conftest import REPO, assert_same_curves, load_state, max_abs_diff, no_abort_at_exit, slice_args
-
-# The CPU-only overrides README gives: one node, 2 tasks of one core each, no GPUs.
-CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]
-CPU_TORCHRUN_JOB = ["--nodes=1", "--cpus-per-task=2", "--gpus-per-node=0"]
-
-
-def job_env(**extra):
-    """What the submitting shell has: the venv's python and torchrun on PATH, no download attempts."""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    return dict(PATH=path, FASHION_MNIST_OFFLINE="1", PYTHONUNBUFFERED="1", **extra)
-
-
-def submit(slurm, script, opts, args, tmp_path, env=None, timeout=240, wait=True):
-    """sbatch script (a file in scripts/ or a script's text) from the repository root; (job id, rc, log path)."""
-    if "\n" not in script:
-        script = REPO / "scripts" / script
-    job_id, rc = slurm.sbatch(script, *opts, f"--output={tmp_path}/%j.out", script_args=args, cwd=REPO,
-                              env=job_env(**(env or {})), timeout=timeout, wait=wait)
-    assert job_id is not None, f"sbatch refused the job: {rc}"
-    log = tmp_path / f"{job_id}.out"
-    if wait and log.exists():
-        no_abort_at_exit(log.read_text())
-    return job_id, rc, log
-
-
-def accuracy_lines(log):
-    return re.findall(r"Accuracy: [\d.]+%", log)
+from support.same_model import accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
+from support.slurm_jobs import CPU_JOB, CPU_TORCHRUN_JOB, submit
 
 
 @pytest.mark.parametrize("script,opts,env", [

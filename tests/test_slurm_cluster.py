@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from slurm_cluster import LocalSlurm, _alive
+from support.slurm_cluster import LocalSlurm, _alive
 
 
 def job_script(tmp_path, *lines):

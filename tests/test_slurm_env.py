@@ -7,8 +7,10 @@ import pytest
 
 from common.cli import FatalError
 from common.ranks import cpu_threads
-from conftest import BASE_ENV, REPO, fake_scontrol, run_script
 from ddp_slurm import first_node
+from support import REPO
+from support.launchers import fake_scontrol
+from support.run import BASE_ENV, run_script
 
 TASK = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1",
             SLURM_JOB_NODELIST="localhost,gpu[02-03]")
@@ -107,7 +109,7 @@ def _batch_script(tmp_path, script, task, old_env=False):
     import os
     import subprocess
 
-    from conftest import REPO
+    from support import REPO
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -173,7 +175,7 @@ def test_torchrun_starts_with_the_warning_ignored_without_coreutils_8_31(tmp_pat
 @pytest.mark.parametrize("script", ["job.sh", "job_torchrun.sh"])
 def test_the_warning_trap_is_set_before_the_step_starts(script):
     """A SIGUSR1 that reached the script before its trap would end it (the default action): the trap comes first."""
-    from conftest import REPO
+    from support import REPO
 
     lines = (REPO / "scripts" / script).read_text().splitlines()
     trap = next(i for i, line in enumerate(lines) if line.startswith("trap ") and line.endswith(" USR1"))

@@ -2,7 +2,7 @@
 
 The warning is what `#SBATCH --signal=B:USR1@180` sends: SIGUSR1 to the batch script (`scancel --signal=USR1 --batch`
 sends the same, mid-epoch). The two nodes are two network namespaces (measure/netns.py) with their own addresses and
-host names, each running a slurmd (tests/slurm_cluster.py's TwoNodeSlurm).
+host names, each running a slurmd (tests/support/slurm_cluster.py's TwoNodeSlurm).
 """
 import os
 import re
@@ -11,10 +11,9 @@ import time
 import pytest
 
 from scripts.plot_curves import read_metrics
-from conftest import assert_same_curves, load_state, max_abs_diff, slice_args
 from measure.netns import IFNAME, TwoMachines, why_not
-from test_ddp import SAME_MODEL
-from test_slurm import CPU_JOB, CPU_TORCHRUN_JOB, accuracy_lines, submit
+from support.same_model import SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
+from support.slurm_jobs import CPU_JOB, CPU_TORCHRUN_JOB, submit
 
 # 100 steps of 48 images an epoch (about 2 s here with 2 ranks). The tests act on a line of the log and read from
 # the log where the action landed (which epoch a warning stopped, which snapshot a resume found), so a slow machine
@@ -105,7 +104,7 @@ def test_a_job_stopped_without_warning_resumes_from_its_last_snapshot(slurm, rea
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """A running two-node SLURM cluster (nodea, nodeb). Skips with the reason where it cannot be made (fails in CI)."""
-    from slurm_cluster import TwoNodeSlurm, ensure_slurm_installed
+    from support.slurm_cluster import TwoNodeSlurm, ensure_slurm_installed
 
     reason = why_not() or ensure_slurm_installed()
     if reason:

@@ -1,104 +1,23 @@
-"""Nothing lost, nothing hangs: snapshots and resume, elastic restart, killed ranks, damaged files, full disks."""
+"""Nothing lost: a run killed, stopped or given more epochs resumes from its --snapshot to the uninterrupted run's
+weights (torchrun --max-restarts too); damaged or foreign snapshots are refused in one line; a full or read-only disk
+leaves the previous snapshot whole and no half-written file."""
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from scripts.plot_curves import read_metrics
-from ports import free_port
-from conftest import (BASE_ENV, TORCHRUN, load_state, max_abs_diff, no_abort_at_exit, one_error_line, run_forked_cases,
-                      run_script)
+from support.long_runs import Watched, args_for, worker_with_rank
+from support.run import BASE_ENV, TORCHRUN, run_script
+from support.same_model import load_state, max_abs_diff
 
 # torchrun --max-restarts as the docs show it: every restart meets in a fresh store (see ddp_launch.py).
 ELASTIC_ENV = dict(BASE_ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-
-# Long enough epochs (200 steps) that a kill lands inside one; short enough to keep the suite quick. With momentum,
-# the optimizer has state of its own (a velocity per weight) that a resume must restore, not only the weights.
-LONG = ["--train-samples", "9600", "--test-samples", "500", "--batch-size", "48", "--epochs", "3", "--log-every", "50",
-        "--momentum", "0.9"]
-
-
-def args_for(real_data, out, *extra):
-    return [*LONG, "--data-dir", str(real_data), "--output", str(out), *extra]
-
-
-class Watched:
-    """A process whose stdout is read line by line in the background, so a test can act on a given line."""
-
-    def __init__(self, procs, cmd, **kw):
-        self.procs, self.proc = procs, procs.start(cmd, **kw)
-        self.lines = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
-        self._reader.start()
-
-    def wait_for(self, text, after=0, timeout=120):
-        """Wait until a line from line number `after` on holds text; returns that line's number."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = next((i for i, line in enumerate(self.lines[after:], after) if text in line), None)
-            if found is not None:
-                return found
-            ended = not self._reader.is_alive()  # stdout closed: the line will never come
-            assert not ended and time.monotonic() < deadline, f"no {text!r} within {timeout}s:\n{''.join(self.lines)}"
-            time.sleep(0.01)
-
-    def wait_mid_epoch_2(self):
-        """Until the run is a quarter into epoch 2 (epoch 1's snapshot is written before "Epoch 2" is printed)."""
-        self.wait_for("[ 2400/ 9600]", after=self.wait_for("Epoch 2"))
-
-    def finish(self, timeout=300):
-        """(returncode, stdout, stderr) once the process has ended."""
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # torchrun's workers run in sessions of their own: killing its group alone would leave them holding
-            # stdout, and the test waiting on it for good.
-            self.procs.kill(self.proc)
-            pytest.fail(f"still running after {timeout}s:\n{''.join(self.lines)}")
-        self._reader.join()
-        err = self.proc.stderr.read()
-        no_abort_at_exit(err)
-        return self.proc.returncode, "".join(self.lines), err
-
-
-def children(pid):
-    """PIDs whose parent is pid (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def worker_with_rank(launcher_pid, rank):
-    """The training process below a launcher (torchrun or mp.spawn) whose environment or argv says this rank."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        todo = children(launcher_pid)
-        while todo:
-            pid = todo.pop()
-            todo += children(pid)
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if f"RANK={rank}".encode() in environ and b"ddp_launch.py" in cmdline:
-                return pid
-        time.sleep(0.05)
-    raise AssertionError(f"no rank {rank} worker below {launcher_pid}")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +42,7 @@ def test_single_gpu_killed_mid_epoch_resumes_to_the_same_weights(real_data, unin
     assert code == 0, err
     assert f"Resuming from {snap}: 1 of 3 epochs done, continuing with epoch 2" in out
     assert "Epoch 1\n" not in out and out.count("Epoch 2\n") == 1 and out.count("Epoch 3\n") == 1
-    # Bit for bit: the same thread count (conftest.BASE_ENV) and the same batches from seed + epoch.
+    # Bit for bit: the same thread count (support/run.py's BASE_ENV) and the same batches from seed + epoch.
     assert max_abs_diff(uninterrupted, load_state(tmp_path / "run" / "model.pth")) == 0
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
     # metrics.jsonl keeps epoch 1 from the killed run, drops its part of epoch 2, and goes on once per step.
@@ -186,52 +105,6 @@ def test_restartable_torchrun_without_a_fresh_store_is_refused(procs):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code != 0 and lines, err
     assert all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in lines), err
-
-
-@pytest.mark.parametrize("kind", ["mp", "tcp"])
-def test_a_killed_rank_ends_the_others_instead_of_hanging(kind, real_data, tmp_path, procs):
-    """SIGKILL one rank mid-epoch: the others stop with one line and a non-zero exit, well within --timeout."""
-    extra = ["--timeout", "60"]
-    if kind == "mp":
-        runs = [Watched(procs, [sys.executable, "ddp_mp.py", "--nprocs", "2", *args_for(real_data, tmp_path, *extra)])]
-        runs[0].wait_mid_epoch_2()
-        workers = [pid for pid in children(runs[0].proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        victim = workers[0]
-    else:
-        init = f"tcp://127.0.0.1:{free_port()}"
-        runs = [Watched(procs, [sys.executable, "ddp_tcp_manual.py", "--init-method", init, "--rank", str(r),
-                                "--world-size", "2", *args_for(real_data, tmp_path, *extra)]) for r in range(2)]
-        runs[0].wait_mid_epoch_2()
-        victim = runs[1].proc.pid
-    start = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    code, out, err = runs[0].finish(timeout=90)
-    assert code != 0 and time.monotonic() - start < 30, err
-    assert "Done!" not in out
-    if kind == "tcp":
-        one_error_line(err, "[rank 0] lost contact with the other ranks")
-        return
-    # mp.spawn names the rank that died; a survivor that noticed first may have said so in one line of its own.
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert "Traceback" not in err and any(re.fullmatch(r"error: rank [01] was killed by SIGKILL", x) for x in lines), err
-    assert all("was killed by SIGKILL" in x or "lost contact with the other ranks" in x for x in lines), err
-    assert len(lines) <= 2, err
-
-
-def test_a_stalled_rank_times_out(real_data, tmp_path, procs):
-    """A rank that stops answering (SIGSTOP) is not waited on forever: its peer fails after --timeout."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    runs = [Watched(procs, [sys.executable, "ddp_tcp_manual.py", "--init-method", init, "--rank", str(r),
-                            "--world-size", "2", *args_for(real_data, tmp_path, "--timeout", "5")]) for r in range(2)]
-    runs[0].wait_mid_epoch_2()
-    start = time.monotonic()
-    os.kill(runs[1].proc.pid, signal.SIGSTOP)
-    code, _, err = runs[0].finish(timeout=90)
-    os.kill(runs[1].proc.pid, signal.SIGKILL)
-    assert code == 1 and time.monotonic() - start < 5 + 15, err
-    # A stopped peer keeps its connection open: it is not "lost", and the line says what is known.
-    # (With the limit, "(5s)", when the operation that timed out is the one that reports it; see test_errors.)
-    one_error_line(err, "[rank 0] no answer from another rank within --timeout")
 
 
 # ---- damaged or foreign snapshots: one line, exit 1, the file left as it was ----
@@ -355,54 +228,3 @@ def test_read_only_disk(good_snapshot, real_data, small_disk, tmp_path):
     with pytest.raises(FatalError, match="Read-only file system"):
         atomic_save({"w": torch.zeros(3)}, snap)
     assert snap.read_bytes() == good_snapshot.read_bytes()
-
-
-# ---- bad flags: every entry script, every bad value: exit 2, one line, no traceback ----
-
-COMMON_BAD = [["--epochs", "0"], ["--epochs", "-1"], ["--batch-size", "0"], ["--batch-size", "-64"],
-              ["--lr", "0"], ["--lr", "-0.1"], ["--device", "tpu"], ["--save-every", "0"]]
-SCRIPTS = ["single_gpu.py", "dataparallel.py", "ddp_launch.py", "ddp_mp.py", "ddp_tcp_manual.py", "ddp_slurm.py"]
-TCP = ["--init-method", "tcp://127.0.0.1:1", "--world-size", "2", "--rank", "0"]
-# As torchrun / srun would set them for rank 0 of 2 (nothing is started: the flags are refused first).
-TORCHRUN_ENV = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT="1")
-SLURM_ENV = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
-                 SLURM_JOB_NODELIST="localhost")
-NEEDS = {"ddp_tcp_manual.py": (TCP, {}), "ddp_launch.py": ([], TORCHRUN_ENV), "ddp_slurm.py": ([], SLURM_ENV)}
-
-BAD = [(s, flag, NEEDS.get(s, ([], {}))[1], None) for s in SCRIPTS for flag in COMMON_BAD] + [
-    # a global batch that does not split over the ranks
-    ("ddp_mp.py", ["--nprocs", "2", "--batch-size", "63"], {}, "split evenly over 2"),
-    ("ddp_launch.py", ["--batch-size", "63"], TORCHRUN_ENV, "split evenly over 2"),
-    ("ddp_tcp_manual.py", ["--batch-size", "63"], {}, "split evenly over 2"),
-    ("ddp_slurm.py", ["--batch-size", "63"], SLURM_ENV, "split evenly over 2"),
-    # ranks and world sizes
-    ("ddp_tcp_manual.py", ["--rank", "2"], {}, "--rank 2 must be below --world-size 2"),
-    ("ddp_tcp_manual.py", ["--world-size", "0"], {}, "--world-size"),
-    ("ddp_slurm.py", [], dict(SLURM_ENV, SLURM_STEP_ID=""), "not a task of an srun step"),
-    ("ddp_mp.py", ["--nprocs", "0"], {}, "--nprocs"),
-    ("ddp_launch.py", [], {}, "start this script with torchrun"),
-    ("single_gpu.py", ["--save-every", "2"], {}, "--save-every needs --snapshot"),
-    # malformed rendezvous
-    ("ddp_tcp_manual.py", ["--init-method", "udp://x"], {}, "--init-method"),
-    ("ddp_tcp_manual.py", ["--init-method", "tcp://host:port"], {}, "--init-method"),
-    ("ddp_tcp_manual.py", ["--init-method", "file://relative/path"], {}, "--init-method"),
-    # a flag another chapter has
-    ("single_gpu.py", ["--nprocs", "2"], {}, "unrecognized arguments"),
-]
-
-
-@pytest.fixture(scope="module")
-def bad_flag_runs(request):
-    """The BAD cases this session runs, as `python SCRIPT ARGS` would run them, each in its own (forked) process."""
-    cases = [(script, [*NEEDS.get(script, ([], {}))[0], *flag], env) for script, flag, env, _ in BAD]
-    return run_forked_cases(request, "test_bad_flag_exits_2_with_one_line", cases)
-
-
-@pytest.mark.parametrize("case", range(len(BAD)), ids=[f"{s}:{' '.join(f) or 'env'}" for s, f, _, _ in BAD])
-def test_bad_flag_exits_2_with_one_line(case, bad_flag_runs):
-    needle, proc = BAD[case][3], bad_flag_runs[case]
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.count("\n") == 1 and "error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert needle is None or needle in proc.stderr, proc.stderr
-    assert proc.stdout == ""

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from pipeline import pipelining_missing
-from conftest import BASE_ENV, REPO
+from support import REPO
+from support.run import BASE_ENV
 
 pytestmark = pytest.mark.skipif(bool(pipelining_missing()), reason=str(pipelining_missing()))  # it runs pipeline.py
 

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from scripts.plot_curves import read_metrics
-from conftest import REPO, Runs, assert_same_curves, load_state, max_abs_diff, run_forked_cases, slice_args, torchrun_script
-from test_ddp import SAME_MODEL
-from test_faults import TORCHRUN_ENV
-from test_pipeline import freeze_a_rank_mid_training
+from support import REPO
+from support.launchers import TORCHRUN_ENV
+from support.long_runs import freeze_a_rank_mid_training
+from support.run import Runs, run_forked_cases, torchrun_script
+from support.same_model import SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
 
 # Measured on torch 2.14.1, 1 thread per rank, SLICE's 40 steps: 3.7e-9 at tp 2, tp 4 and dp 2 x tp 2 (the second
 # Linear's products are summed in tp parts by the all-reduce, chapter 1 sums them in one): the DDP chapters' bound.
@@ -45,7 +46,7 @@ def test_tensor_parallel_trains_the_same_model(world, dp, tp_runs, reference):
     assert state.keys() == ref_state.keys() and all(state[k].shape == ref_state[k].shape for k in state)
     assert max_abs_diff(ref_state, state) <= SAME_MODEL
     assert_same_curves(read_metrics(out), ref_metrics)
-    assert re.findall(r"Accuracy: [\d.]+%", log) == re.findall(r"Accuracy: [\d.]+%", ref_log)
+    assert accuracy_lines(log) == accuracy_lines(ref_log)
     # the tp ranks of a row are neighbours (rank 0's group: ranks 0 .. tp - 1), as they are on one machine's fast links
     assert (f"Mesh: {dp} data-parallel group(s) (dp) x {world // dp} ranks splitting each layer (tp); rank 0 splits its "
             f"layers with ranks {list(range(world // dp))}") in log

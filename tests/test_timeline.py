@@ -9,28 +9,12 @@ import sys
 
 import pytest
 
-from conftest import BASE_ENV, REPO
 from measure.timeline import collective_bytes, merge, step_events
+from support import REPO
+from support.run import BASE_ENV
+from support.traces import COLLECTIVES, recorded_steps
+from support.two_machines import cannot_shape, need_namespaces
 
-# One step's collectives at 2 ranks, in bytes (each collective's input on one rank), as docs/scaling.md's pictures.
-# DDP: its two buckets' all-reduces (the last layers' 267,786 floats, then the first layer's 401,920); by hand one
-# per tensor (3 weights, 3 biases). Either way every gradient once: 2,678,824 bytes.
-# PowerSGD (rank 1, compressing from step 3 on: the recorded steps are 4 and 5) the biases as they are, then P and Q,
-# the second and third started from a callback on gloo's own thread: seen only when every thread is recorded.
-# FSDP2: each Linear's half of its weights and bias gathered in the forward and again in the backward (200,960,
-# 131,328 and 2,565 floats), and its whole gradient reduced: gloo has no reduce-scatter and runs FSDP2's as an
-# all-reduce (README.md). Tensor parallel: one all-reduce of the row-wise layer's partial products, 64 x 512 floats,
-# in the forward; the backward sends nothing (the column-wise layer's input is the images, which need no gradient).
-LAYERS = [200_960 * 4, 131_328 * 4, 2_565 * 4]
-COLLECTIVES = {
-    "ddp_launch.py": dict(all_reduce=[267_786 * 4, 401_920 * 4]),
-    "ddp_by_hand.py": dict(all_reduce=[784 * 512 * 4, 512 * 4, 512 * 512 * 4, 512 * 4, 512 * 10 * 4, 10 * 4]),
-    "ddp_launch.py --comm-hook powersgd": dict(all_reduce=[1034 * 4, 1034 * 4, 1808 * 4]),
-    "ddp_launch.py --comm-hook bf16": dict(all_reduce=[267_786 * 2, 401_920 * 2]),  # the hooks' half-size dtypes
-    "ddp_launch.py --comm-hook fp16": dict(all_reduce=[267_786 * 2, 401_920 * 2]),
-    "fsdp.py": dict(all_gather=LAYERS * 2, all_reduce=[401_920 * 4, 262_656 * 4, 5_130 * 4]),
-    "tensor_parallel.py": dict(all_reduce=[64 * 512 * 4]),
-}
 # Which collectives leave while the step still computes: DDP's first bucket and FSDP2's first gradient before the
 # backward's last op, by hand's and PowerSGD's (one bucket) only after it; FSDP2's gathers and tensor parallel's
 # all-reduce inside the forward.
@@ -48,13 +32,6 @@ def timeline(tmp_path, chapter, *flags, ranks=2, baseline=False):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", proc.stdout
     return json.loads((tmp_path / "trace.json").read_text())["traceEvents"], (tmp_path / "chapter.log").read_text()
-
-
-def recorded_steps(events, rank):
-    """The rank's complete events in each recorded step (from one mark to the next), each list in time order."""
-    mine = [e for e in events if e.get("pid") == rank and e.get("ph") == "X"]
-    marks = sorted(e["ts"] for e in mine if e["name"] in ("timeline:start", "timeline:step"))
-    return [sorted((e for e in mine if a <= e["ts"] < b), key=lambda e: e["ts"]) for a, b in zip(marks, marks[1:])]
 
 
 def first_step(events, rank):
@@ -153,12 +130,10 @@ def test_timeline_across_two_machines_waits_for_the_link(tmp_path):
     """--link 100mbit: one rank on each of the two machines, the link between them shaped. Each rank's all-reduces
     must last at least the wire time of what it has to receive (at 2 ranks, half of each bucket: 1,339,412 bytes
     in all, 107 ms at 100 Mbit/s), from the first one's start to the last one's end."""
-    from test_multinode import need_namespaces
     need_namespaces()
     proc = subprocess.run([sys.executable, "measure/timeline.py", "ddp_launch.py", "--link", "100mbit", "--out",
                            str(tmp_path)], cwd=REPO, env=BASE_ENV, capture_output=True, text=True, timeout=300)
     if "cannot shape" in proc.stderr:
-        from test_scaling import cannot_shape
         cannot_shape(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -175,13 +150,11 @@ def test_diloco_outer_all_reduce_runs_under_the_inner_steps(tmp_path):
     all-reduce (the pseudo-gradient in bf16, 1,339,412 bytes, about 1 s on this link) starts in an inner step's hook
     and the next inner steps' forwards run while it is on the wire, until the wait two steps later. Waited at once,
     no forward would start before it ended."""
-    from test_multinode import need_namespaces
     need_namespaces()
     proc = subprocess.run([sys.executable, "measure/timeline.py", "diloco.py", "--link", "10mbit", "--steps", "8",
                            "--window", "8", "--no-baseline", "--out", str(tmp_path), "--", "--sync-every", "4",
                            "--overlap", "2"], cwd=REPO, env=BASE_ENV, capture_output=True, text=True, timeout=300)
     if "cannot shape" in proc.stderr:
-        from test_scaling import cannot_shape
         cannot_shape(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr
     assert "steps 1-8 of 8 drawn" in proc.stdout, proc.stdout

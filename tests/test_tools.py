@@ -9,7 +9,7 @@ import torch
 
 from common.checkpoint import SNAPSHOT_FORMAT
 from common.model import NeuralNetwork
-from conftest import REPO
+from support import REPO
 
 
 def compare(*args):

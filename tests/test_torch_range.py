@@ -5,12 +5,9 @@ train them skip, naming this file. On a newer torch the same refusals are checke
 import pytest
 import torch
 
-from conftest import BASE_ENV, TORCHRUN
-from pipeline import pipelining_missing
+from support.run import BASE_ENV, TORCHRUN
+from support.torch_features import FSDP2_ON_CPU, GLOO_FLIGHT_RECORDER, PIPELINE_SCHEDULES
 
-FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")  # torch 2.7: FSDP2 times its gathers with CPU stream events
-GLOO_FLIGHT_RECORDER = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")  # torch 2.8: gloo's collectives recorded
-PIPELINE_SCHEDULES = not pipelining_missing()  # torch 2.9: schedules with scale_grads= and eval()
 WITHOUT = {"stream events": "import torch\ndel torch.cpu.Stream.record_event\n",
            "gloo's recorder": "import torch\ndel torch._C._distributed_c10d._dump_fr_trace\n",
            "schedules' eval()": "from torch.distributed.pipelining import ScheduleGPipe\nfor c in ScheduleGPipe.__mro__:\n"

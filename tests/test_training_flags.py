@@ -7,9 +7,10 @@ import sys
 import pytest
 
 from scripts.plot_curves import read_metrics
-from conftest import (BASE_ENV, REPO, TORCHRUN, assert_same_curves, load_state, max_abs_diff, one_error_line,
-                      run_forked_cases, run_script, slice_args)
-from test_ddp import SAME_MODEL, _accuracy_lines, launch
+from support import REPO
+from support.launchers import launch
+from support.run import BASE_ENV, TORCHRUN, one_error_line, run_forked_cases, run_script
+from support.same_model import SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
 
 # --accum-steps K at 1, 2 and 3 ranks (K = 1 is test_ddp's): the same 48-image global batch as chapter 1, on 996
 # images: 20 full steps and a short last one of 36, which splits into uneven micro-batches (24 + 12 at 1 rank, K = 2)
@@ -53,7 +54,7 @@ def test_accumulation_trains_the_same_model(kind, world, k, real_data, accum_ref
     log = train(kind, world, real_data, tmp_path / "run", procs, *ACCUM_SAMPLES, "--accum-steps", str(k))
     ref_state, ref_log, ref_metrics = accum_reference
     assert max_abs_diff(ref_state, load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
-    assert _accuracy_lines(log) == _accuracy_lines(ref_log)
+    assert accuracy_lines(log) == accuracy_lines(ref_log)
     assert "[  336/  996]" in log  # loss lines count optimizer steps of the global batch, as without accumulation
     assert_same_curves(read_metrics(tmp_path / "run"), ref_metrics)  # metrics.jsonl: the same steps and losses
     assert f"accum_steps={k}" in log.splitlines()[0]
@@ -61,8 +62,8 @@ def test_accumulation_trains_the_same_model(kind, world, k, real_data, accum_ref
 
 @pytest.fixture(scope="module")
 def collective_counts():
-    """tests/collective_counter.py under torchrun on 2 ranks: its JSON lines, one per wrap and --accum-steps."""
-    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/collective_counter.py"], cwd=REPO,
+    """tests/programs/collective_counter.py under torchrun on 2 ranks: its JSON lines, one per wrap and --accum-steps."""
+    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "tests/programs/collective_counter.py"], cwd=REPO,
                           env=BASE_ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -174,7 +175,7 @@ def test_fp16_with_its_scaler_through_every_launcher(kind, world, precision_refe
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_16_bits_under_srun(slurm, precision_reference, real_data, tmp_path, precision):
     """The sixth launcher: srun, from scripts/job.sh on the local SLURM cluster."""
-    from test_slurm import CPU_JOB, submit
+    from support.slurm_jobs import CPU_JOB, submit
 
     args = [*slice_args(real_data, tmp_path / "run"), *BF16, "--precision", precision]
     job_id, rc, log_path = submit(slurm, "job.sh", CPU_JOB, args, tmp_path)
@@ -248,7 +249,7 @@ def test_compile_trains_the_same_model(kind, world, flags, parts, real_data, ref
     state = load_state(tmp_path / "run" / "model.pth")
     assert next(iter(state)) == "linear_relu_stack.0.weight"  # compiled in place: no `_orig_mod.` in the keys
     assert max_abs_diff(ref_state, state) <= SAME_MODEL
-    assert _accuracy_lines(log) == _accuracy_lines(ref_log)
+    assert accuracy_lines(log) == accuracy_lines(ref_log)
 
 
 def test_compile_without_a_compiler_says_so(real_data, tmp_path):

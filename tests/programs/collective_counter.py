@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.cli import Config  # noqa: E402
 from common.data import DeviceImages  # noqa: E402
 from common.engine import train_one_epoch  # noqa: E402

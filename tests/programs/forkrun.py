@@ -1,6 +1,6 @@
 """Run many short `python SCRIPT ARGS` cases, each in its own process, for the price of one torch import.
 
-tests/conftest.py's run_forked() starts this with the cases as JSON on stdin. It imports torch once, then forks one
+tests/support/run.py's run_forked() starts this with the cases as JSON on stdin. It imports torch once, then forks one
 child per case: the child takes the case's environment and argv and runs the script as `python SCRIPT` would (as
 __main__, the project's modules imported afresh), its stdout and stderr going to files. A refusal that exits 2
 before any training then costs a fork, not a new interpreter and its 1.5 s of imports. Prints one JSON line with

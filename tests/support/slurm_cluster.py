@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ports import free_port
+from support.ports import free_port
 
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel", "munged", "mungekey")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -63,7 +63,7 @@ def _sbin(name):
 
 
 def _free_port():
-    """A TCP port nothing listens on now, on every address (tests/ports.py: no other test or connection takes it)."""
+    """A TCP port nothing listens on now, on every address (support/ports.py: no other test or connection takes it)."""
     return free_port(host="")
 
 

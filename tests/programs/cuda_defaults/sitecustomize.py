@@ -1,4 +1,4 @@
-"""Every Python process the suite starts (tests/conftest.py puts this folder on PYTHONPATH) takes CUDA's defaults
+"""Every Python process the suite starts (tests/support/run.py's BASE_ENV puts this folder on PYTHONPATH) takes CUDA's defaults
 where they differ from the CPU's and torch lets the CPU take them, so the CPU suite runs the code path a GPU runs:
 
 - the optimizers' foreach kernels: on CUDA, SGD and friends default to foreach=True (one _foreach_add_ over all
@@ -10,7 +10,7 @@ where they differ from the CPU's and torch lets the CPU take them, so the CPU su
 What only a GPU can show (a copy from pageable memory that blocks, NCCL) is listed in docs/tests.md. Nothing is
 imported until torch itself is: the patch runs when torch.optim.optimizer has loaded.
 
-And on SIGUSR2 every thread's Python stack goes to stderr: tests/conftest.py sends it to a process that overran,
+And on SIGUSR2 every thread's Python stack goes to stderr: tests/support/run.py's Procs sends it to a process that overran,
 before it kills it, so a hang in CI shows where each process waited.
 """
 import faulthandler
