@@ -3,7 +3,7 @@
 #   make test   set up and check it works: every chapter through its launcher, and the fast tests (minutes)
 #   make test-all    the whole proof: every test, SLURM and two machines included, then make test's set on the
 #                    oldest torch requirements.txt allows (make test-floor; what CI runs)
-#   make mutations   plant each known bug in a copy of the project and check its tests turn red (tests/mutations.py)
+#   make mutations   plant each known bug in a copy of the project and check its tests turn red (tests/bugs/planted.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -65,7 +65,7 @@ test-floor: $(FLOOR_VENV)/.installed data tools
 	$(FLOOR_VENV)/bin/python -m pytest -q -m quick -n 2 --dist loadgroup
 
 mutations: setup tools
-	$(PY) tests/mutations.py
+	$(PY) tests/bugs/planted.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -6,13 +6,16 @@ entry below breaks one promise of docs/tests.md the way a real mistake would (dr
 fresh copy of the project (your working tree is never touched), runs the named tests there, and reports CAUGHT,
 with the tests that failed, or MISSED.
 
-    python tests/mutations.py                      # every planted bug (make mutations; about 30 minutes on 2 cores)
-    python tests/mutations.py --list               # names, what each one breaks, and its tests
-    python tests/mutations.py no-set-epoch accum-one-over-k    # some of them
-    python tests/mutations.py --baseline no-set-epoch          # also run the tests unpatched: they must pass
+    python tests/bugs/planted.py                    # every planted bug (make mutations; about 30 minutes on 2 cores)
+    python tests/bugs/planted.py --list             # names, what each one breaks, and its tests
+    python tests/bugs/planted.py no-set-epoch accum-one-over-k    # some of them
+    python tests/bugs/planted.py --baseline no-set-epoch          # also run the tests unpatched: they must pass
+    python tests/bugs/planted.py --check            # plants nothing: every named test exists, every patch applies
 
 It exits 0 when every planted bug was caught; 1 when one was missed, when a patch no longer applies (the code it
-changes has moved on: update the entry), or when --baseline finds a named test failing without the bug.
+changes has moved on: update the entry), or when --baseline finds a named test failing without the bug. --check
+(half a minute: it collects the suite once) exits 1 when an entry names a test pytest does not collect or holds a
+patch whose text is not in its file exactly once.
 """
 import argparse
 import os
@@ -25,7 +28,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,8 @@ def bug(name, breaks, tests, *patches):
 
 TRAIN_FLAGS = "tests/test_training_flags.py"
 ENGINE = "tests/test_model_engine.py"
-GPU_PATH = "tests/test_gpu_path.py"
+GPU_PATH = "tests/test_gpu_path_with_fake_gpus.py"
+GPU_SUITE = "tests/test_gpu_suite_coverage.py"
 DESCRIBE = "    print0(ctx, cfg.describe())\n"
 IGNORE_PRECISION = DESCRIBE + '    cfg.precision = "fp32"  # planted: the run says bf16 and trains fp32\n'
 
@@ -70,12 +74,12 @@ MUTATIONS = [
          "batch_size=1000,", "test_loader = DataLoader(test_set, batch_size=1000, sampler=DistributedSampler(test_set, "
          "ctx.world_size, ctx.rank, shuffle=False),")),
     bug("teardown-holds-the-gil", "nothing hangs: a rank leaves the group right after a collective (caught on torch "
-        "2.6, `python tests/mutations.py` under .venv-floor; torch 2.14 has no such hang to catch)",
-        ["tests/test_ddp.py::test_leaving_the_group_after_a_collective_never_hangs"],
+        "2.6, `python tests/bugs/planted.py` under .venv-floor; torch 2.14 has no such hang to catch)",
+        ["tests/test_rendezvous.py::test_leaving_the_group_after_a_collective_never_hangs"],
         ("common/ranks.py", "    backends = [pg._get_backend(d) for pg in dist.distributed_c10d._world.pg_map "
          "for d in pg._device_types]\n", "    backends = []\n")),
     bug("destroy-not-in-finally", "the lesson is in the chapter: destroy_process_group in a finally",
-        ["tests/test_ddp.py::test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom[ddp_mp.py]"],
+        ["tests/test_chapters_read_as_the_lesson.py::test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom[ddp_mp.py]"],
         ("ddp_mp.py", "    try:\n        train(cfg, ctx)  # steps 4 to 7, below\n    finally:",
          "    if True:\n        train(cfg, ctx)  # steps 4 to 7, below\n    if True:")),
 
@@ -86,7 +90,7 @@ MUTATIONS = [
         ("common/engine.py", "loss = loss_fn(model(X), y) * (len(y) / images)",
          "loss = loss_fn(model(X), y) / cfg.accum_steps")),
     bug("no-no-sync", "accumulation under DDP: one all-reduce per optimizer step, not one per micro-batch",
-        ["tests/test_ddp.py::test_each_chapter_passes_its_own_way_to_hold_gradients_back[ddp_launch.py]"],
+        ["tests/test_chapters_read_as_the_lesson.py::test_each_chapter_passes_its_own_way_to_hold_gradients_back[ddp_launch.py]"],
         ("ddp_launch.py", "metrics, no_sync=model.no_sync)", "metrics)")),
     bug("no-set-requires-gradient-sync", "accumulation under FSDP2: one reduce-scatter per unit per optimizer step",
         [f"{TRAIN_FLAGS}::test_one_gradient_sync_per_optimizer_step[fsdp]"],
@@ -138,7 +142,7 @@ MUTATIONS = [
         ["tests/test_ddp.py::test_every_rank_starts_from_rank_0s_weights[ddp_by_hand.py]"],
         ("ddp_by_hand.py", "        dist.broadcast(tensor, src=0)", "        pass")),
     bug("mp-port-chosen-then-bound-later", "no program can take ddp_mp.py's rendezvous port while its workers start",
-        ["tests/test_ddp.py::test_mp_port_cannot_be_taken_while_the_workers_start"],
+        ["tests/test_rendezvous.py::test_mp_port_cannot_be_taken_while_the_workers_start"],
         ("ddp_mp.py", """    listener = socket.create_server(("127.0.0.1", 0))  # handed over: the store closes it (libuv's takes one from 2.8)
     store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.timeout), master_listen_fd=listener.detach(),
@@ -156,20 +160,20 @@ MUTATIONS = [
          """    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,""")),
     # A store that binds its own port listens on every interface, whatever host it is given.
     bug("mp-store-on-every-interface", "the store of mp.spawn's ranks listens on loopback alone (chapter 4)",
-        ["tests/test_ddp.py::test_spawned_ranks_store_listens_on_loopback_only[ddp_mp]"],
+        ["tests/test_rendezvous.py::test_spawned_ranks_store_listens_on_loopback_only[ddp_mp]"],
         ("ddp_mp.py", """listener.getsockname()[1], is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.timeout), master_listen_fd=listener.detach(),
                           use_libuv=False)""", """0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=cfg.timeout))""")),
     bug("preflight-store-on-every-interface", "the store of preflight's spawned ranks listens on MASTER_ADDR alone",
-        ["tests/test_ddp.py::test_spawned_ranks_store_listens_on_loopback_only[preflight]"],
+        ["tests/test_rendezvous.py::test_spawned_ranks_store_listens_on_loopback_only[preflight]"],
         ("scripts/preflight.py", """listener.getsockname()[1], is_master=True,
                               wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout),
                               master_listen_fd=listener.detach(), use_libuv=False)""",
          """0, is_master=True,
                               wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))""")),
     bug("benchmark-store-on-every-interface", "the store of the benchmark's spawned ranks listens on loopback alone",
-        ["tests/test_ddp.py::test_spawned_ranks_store_listens_on_loopback_only[benchmark-floor]"],
+        ["tests/test_rendezvous.py::test_spawned_ranks_store_listens_on_loopback_only[benchmark-floor]"],
         ("measure/benchmark.py", """listener.getsockname()[1], is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120), master_listen_fd=listener.detach(), use_libuv=False)""",
          """0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))""")),
@@ -322,7 +326,7 @@ MUTATIONS = [
 
     # --- Nothing lost ---
     bug("snapshot-without-optimizer-state", "nothing lost: a resumed run ends with the uninterrupted run's weights",
-        ["tests/test_faults.py::test_single_gpu_killed_mid_epoch_resumes_to_the_same_weights"],
+        ["tests/test_snapshots_and_resume.py::test_single_gpu_killed_mid_epoch_resumes_to_the_same_weights"],
         ("common/checkpoint.py", '        optimizer.load_state_dict(snapshot["optimizer"])\n', "")),
     bug("sharded-snapshot-without-optimizer-state", "chapter 7: a sharded snapshot reshards the optimizer state too",
         ["tests/test_fsdp.py::test_snapshot_saved_on_2_ranks_resumes_on_another_count[2-to-3]"],
@@ -330,24 +334,24 @@ MUTATIONS = [
         ("fsdp.py", 'state = {"model": model_state, "optimizer": optimizer_state}', 'state = {"model": model_state}'),
         ("fsdp.py", 'optim_state_dict=state["optimizer"],', "optim_state_dict=optimizer_state,")),
     bug("save-in-place", "nothing lost: a failed save leaves the previous snapshot as it was",
-        ["tests/test_faults.py::test_full_disk_keeps_the_previous_snapshot"],
+        ["tests/test_snapshots_and_resume.py::test_full_disk_keeps_the_previous_snapshot"],
         ("common/checkpoint.py", 'tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # this process\'s own',
          "tmp = path")),
 
     # --- Nothing hangs, errors do not lie ---
     bug("stalled-rank-called-lost", "errors do not lie: a stopped rank is not reported as lost",
-        ["tests/test_faults.py::test_a_stalled_rank_times_out"],
+        ["tests/test_killed_and_stopped_ranks.py::test_a_stalled_rank_times_out"],
         ("common/ranks.py", 'f"no answer from another rank within --timeout', 'f"lost contact with the other ranks')),
     bug("zero-epochs-accepted", "bad flags: every entry script refuses them with one line, exit 2",
-        ["tests/test_faults.py::test_bad_flag_exits_2_with_one_line[single_gpu.py:--epochs 0]"],
+        ["tests/test_bad_flags.py::test_bad_flag_exits_2_with_one_line[single_gpu.py:--epochs 0]"],
         ("common/cli.py", "if not ok(kind(text)):", "if False:")),
 
     # --- Chapters 1, 2, 6 and the tools ---
     bug("dataparallel-other-shuffle", "chapter 2 trains chapter 1's model, bit for bit",
-        ["tests/test_scripts.py::test_dataparallel_trains_the_same_model"],
+        ["tests/test_chapters_1_and_2.py::test_dataparallel_trains_the_same_model"],
         ("dataparallel.py", "num_replicas=1, rank=0, seed=cfg.seed)", "num_replicas=1, rank=0, seed=cfg.seed + 1)")),
     bug("sigusr1-not-summed", "time limits: the ranks sum the warning, so all stop after the same epoch",
-        ["tests/test_faults.py::test_sigusr1_to_one_rank_stops_every_rank_after_the_same_epoch"],
+        ["tests/test_snapshots_and_resume.py::test_sigusr1_to_one_rank_stops_every_rank_after_the_same_epoch"],
         ("common/checkpoint.py", "warned = all_reduce_sum([self.warned.is_set()], ctx)[0]",
          "warned = self.warned.is_set()")),
     bug("warned-job-not-requeued", "time limits: a warned job requeues itself and resumes",
@@ -434,7 +438,7 @@ MUTATIONS = [
         ["tests/test_strategy_table.py::test_the_numbers_are_what_each_strategy_must_hold_and_send"],
         ("measure/strategy_table.py", "    dist.P2POp = CountedP2POp\n", "")),
     bug("fsdp-cpu-check-skips-one-rank", "fsdp.py on a torch whose FSDP2 cannot run on the CPU stops in one line, "
-        "one rank too", ["tests/test_config.py::test_fsdp_on_a_torch_without_cpu_stream_events_is_one_line[1]"],
+        "one rank too", ["tests/test_cli.py::test_fsdp_on_a_torch_without_cpu_stream_events_is_one_line[1]"],
         ("fsdp.py", 'check_fsdp2(cfg, "fsdp.py", int(os.environ.get("WORLD_SIZE", 1)))',
          'check_fsdp2(cfg, "fsdp.py", int(os.environ.get("WORLD_SIZE", 1)), uses_fsdp2=int(os.environ.get("WORLD_SIZE", 1)) > 1)')),
     bug("link-shaped-one-way", "scaling: each direction of the two machines' link carries no more than its rate",
@@ -507,14 +511,14 @@ MUTATIONS = [
         ("tensor_parallel.py", "    distribute_module(model.linear_relu_stack[4], mesh[\"tp\"],\n",
          "    if False:  # planted: the last Linear stays a plain tensor\n        distribute_module(model.linear_relu_stack[4], mesh[\"tp\"],\n")),
     bug("cpu-defaults-in-the-suite", "the suite takes CUDA's defaults (foreach, autocast's dtype) in every process",
-        ["tests/test_cuda_defaults.py::test_every_process_the_suite_starts_takes_cudas_defaults"],
-        ("tests/cuda_defaults/sitecustomize.py", 'if __name__ == "sitecustomize" and', "if False and"),
+        ["tests/test_cuda_defaults_and_no_host_sync.py::test_every_process_the_suite_starts_takes_cudas_defaults"],
+        ("tests/programs/cuda_defaults/sitecustomize.py", 'if __name__ == "sitecustomize" and', "if False and"),
         ("tests/conftest.py", 'if os.environ.get("TUTORIAL_CPU_DEFAULTS") != "1":', "if False:")),
     bug("labels-from-the-host", "no host sync per step: the labels live on the training device",
-        ["tests/test_cuda_defaults.py::test_a_training_step_reads_and_copies_nothing_on_the_host"],
+        ["tests/test_cuda_defaults_and_no_host_sync.py::test_a_training_step_reads_and_copies_nothing_on_the_host"],
         ("common/data.py", "s.targets[:n].to(device))", "s.targets[:n])")),
     bug("batch-index-copy-blocks", "no host sync per step: the batch's index goes to the device without waiting",
-        ["tests/test_cuda_defaults.py::test_a_training_step_reads_and_copies_nothing_on_the_host"],
+        ["tests/test_cuda_defaults_and_no_host_sync.py::test_a_training_step_reads_and_copies_nothing_on_the_host"],
         ("common/data.py", ".to(self.labels.device, non_blocking=True)", ".to(self.labels.device)")),
     bug("ddp-wraps-on-the-local-rank", "DDP's device_ids name the GPU the rank computes on, not its local rank",
         [f"{GPU_PATH}::test_ddp_wraps_the_model_on_the_gpu_the_rank_computes_on[ddp_slurm.py]"],
@@ -543,17 +547,17 @@ MUTATIONS = [
         ["tests/test_comm_hooks.py::test_localsgd_on_the_cpu_where_a_gpu_is_visible_opens_no_cuda_context"],
         ("common/comm_hooks.py", 'if flat.device.type != "cpu":', "if torch.accelerator.is_available():")),
     bug("gpu-suite-expects-a-moved-class", "the GPU suite names what the code has",
-        [f"{GPU_PATH}::test_the_gpu_suite_names_what_the_code_has"],
+        [f"{GPU_SUITE}::test_the_gpu_suite_names_what_the_code_has"],
         ("tests/test_gpu.py", 'f"{DataParallel.__module__} DataParallel', '"common.engine DataParallel')),
     bug("flight-recorder-under-deprecated-names", "chapter 8 sets the flight recorder's variables under the names "
         "its torch reads", [f"{GPU_PATH}::test_chapter_8_lets_the_nccl_watchdog_write_the_flight_record"],
         ("debug_hang.py", '("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if', '("TORCH_NCCL_TRACE_BUFFER_SIZE", '
          '"TORCH_NCCL_DEBUG_INFO_TEMP_FILE") if')),
     bug("docs-say-fp16-never-syncs", "the docs say which modes read back from the GPU each step",
-        ["tests/test_cuda_defaults.py::test_the_docs_say_which_modes_read_back_each_step"],
+        ["tests/test_cuda_defaults_and_no_host_sync.py::test_the_docs_say_which_modes_read_back_each_step"],
         ("docs/benchmark.md", "| `--precision fp16` | one: `GradScaler.step()`", "| `--precision fp16` | none: `GradScaler.step()`")),
     bug("loss-read-back-every-step", "no host sync per step: the loss is summed on the device",
-        ["tests/test_cuda_defaults.py::test_a_training_step_reads_and_copies_nothing_on_the_host[fp32]"],
+        ["tests/test_cuda_defaults_and_no_host_sync.py::test_a_training_step_reads_and_copies_nothing_on_the_host[fp32]"],
         ("common/engine.py", "        loss_sum.add_(step_loss, alpha=images)\n",
          "        loss_sum.add_(float(step_loss) * images)\n")),
     bug("tp-sampler-ignores-seed", "same model at any seed: every chapter's shuffle comes from --seed",
@@ -563,11 +567,11 @@ MUTATIONS = [
         ["tests/test_ddp.py::test_another_seed_trains_chapter_1s_model_at_that_seed[srun-env]"],
         ("ddp_slurm.py", "rank=ctx.rank, seed=cfg.seed)", "rank=ctx.rank)")),
     bug("a-flag-without-a-cuda-twin", "every flag and mode has a CUDA twin in tests/test_gpu.py",
-        [f"{GPU_PATH}::test_every_flag_has_a_cuda_twin"],
-        ("tests/test_gpu.py", '    Twin("pipeline.py", ("--microbatches", "2")),\n', "")),
+        [f"{GPU_SUITE}::test_every_flag_has_a_cuda_twin"],
+        ("tests/support/cuda_twins.py", '    Twin("pipeline.py", ("--microbatches", "2")),\n', "")),
     bug("a-chapter-resumes-no-twin", "every chapter that takes --snapshot resumes on CUDA in tests/test_gpu.py",
-        [f"{GPU_PATH}::test_every_flag_has_a_cuda_twin"],
-        ("tests/test_gpu.py", '    Twin("pipeline.py", MOMENTUM, "resume"),\n', "")),
+        [f"{GPU_SUITE}::test_every_flag_has_a_cuda_twin"],
+        ("tests/support/cuda_twins.py", '    Twin("pipeline.py", MOMENTUM, "resume"),\n', "")),
     bug("a-step-that-died-of-138-waited-for", "batch scripts: a step that ended 138 ends the job with 138",
         ["tests/test_slurm_env.py::test_a_step_that_ends_with_138_ends_the_job_with_its_status[job.sh-exec sleep 30]"],
         ("scripts/job.sh", 'while [ "$status" = 138 ] && kill -0 "$step" 2>/dev/null; do',
@@ -644,11 +648,35 @@ def check(mutation, baseline, timeout):
     return False, f"MISSED {mutation.name} ({seconds:.0f}s): {outcomes or 'no test ran'}"
 
 
+def check_entries(chosen):
+    """Without planting anything: every test the chosen entries name is collected, every patch finds its text once.
+    Returns the problems, one line each."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=REPO,
+                          capture_output=True, text=True)
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    if proc.returncode != 0 or not collected:
+        return [f"pytest --collect-only failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"]
+    problems = []
+    for m in chosen:
+        for test in m.tests:  # a test id, or a test named without its case: all its cases
+            if not any(node == test or node.startswith(f"{test}[") for node in collected):
+                problems.append(f"NO TEST {m.name}: {test} is not collected")
+        for file, old, new in m.patches:
+            path = REPO / file
+            if not path.is_file():
+                problems.append(f"STALE  {m.name}: no file {file}")
+            elif path.read_text().count(old) != 1:
+                problems.append(f"STALE  {m.name}: {file} holds {path.read_text().count(old)} copies of {old!r}, not 1")
+    return problems
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help="planted bugs to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the planted bugs and their tests")
     parser.add_argument("--baseline", action="store_true", help="first run each one's tests unpatched")
+    parser.add_argument("--check", action="store_true",
+                        help="plant nothing: check that every named test is collected and every patch applies")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for one planted bug's tests")
     args = parser.parse_args()
     known = {m.name: m for m in MUTATIONS}
@@ -660,6 +688,11 @@ def main():
         for m in chosen:
             print(f"{m.name}: {m.breaks}\n    " + "\n    ".join(m.tests))
         return 0
+    if args.check:
+        problems = check_entries(chosen)
+        print("\n".join(problems) or f"{len(chosen)} planted bugs: every test they name is collected, every patch "
+                                     "applies", flush=True)
+        return 1 if problems else 0
     start, missed = time.monotonic(), 0
     for m in chosen:
         ok, line = check(m, args.baseline, args.timeout)
