@@ -14,7 +14,7 @@ with the tests that failed, or MISSED.
 
 It exits 0 when every planted bug was caught; 1 when one was missed, when a patch no longer applies (the code it
 changes has moved on: update the entry), or when --baseline finds a named test failing without the bug. --check
-(half a minute: it collects the suite once) exits 1 when an entry names a test pytest does not collect or holds a
+(about 20 seconds: it collects the suite once) exits 1 when an entry names a test pytest does not collect or holds a
 patch whose text is not in its file exactly once.
 """
 import argparse
