@@ -64,8 +64,8 @@ from common.cli import REQUIRED, UsageError, flag, parse_config, run_main
 from common.data import DeviceImages, load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, all_gather_flags, all_reduce_sum, check_global_batch, destroy_process_group,
-                          name_rank_in_errors, print0, rank_device)
+from common.ranks import (DistContext, all_reduce_sum, check_flags_and_set_threads, check_global_batch,
+                          destroy_process_group, name_rank_in_errors, print0, rank_device)
 
 BUGS = ("eval-on-rank0", "early-stop", "uneven-batches", "shape-mismatch")
 CLASSES = 10
@@ -184,7 +184,7 @@ def train(cfg, bug, fix, ctx, output, watch):
     print0(ctx, cfg.describe())
     print0(ctx, f"Case: {bug} ({'fixed' if fix else 'broken on purpose'}), {ctx.world_size} processes, "
                 f"backend {dist.get_backend()}, --timeout {cfg.timeout:g}s")
-    all_gather_flags(cfg, ctx)
+    check_flags_and_set_threads(cfg, ctx)
 
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must, ...
         locate_fashion_mnist(cfg.data_dir)

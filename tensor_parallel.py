@@ -27,7 +27,7 @@ from common.cli import POSITIVE, UsageError, check_fsdp2, flag, parse_config, ru
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, all_gather_flags, check_global_batch, check_torchrun_worker,
+from common.ranks import (DistContext, check_flags_and_set_threads, check_global_batch, check_torchrun_worker,
                           destroy_process_group, name_rank_in_errors, print0, print_parameter_bytes, rank_device)
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: they take DTensors too
 
@@ -62,7 +62,7 @@ def main():
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    torch.set_num_threads(all_gather_flags(cfg, ctx))  # each rank's line (one if they disagree on flags); its cores
+    check_flags_and_set_threads(cfg, ctx)  # each rank's line (one if they disagree on flags); its share of the cores
     output = prepare_output(cfg.output)
     time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 

@@ -116,8 +116,8 @@ SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_s
                       "save_every", "accum_steps", "precision", "compile")
 
 
-def all_gather_flags(cfg, ctx):
-    """Every rank's host and flags: a mismatch stops all in one line; each prints its line; its share of the cores."""
+def check_flags_and_set_threads(cfg, ctx):
+    """Every rank's flags compared (a mismatch stops all in one line), this rank's share of the cores set, its line."""
     flags = {name: getattr(cfg, name) for name in SAME_ON_EVERY_RANK} | {"snapshot": cfg.snapshot is not None}
     everyone, host = [None] * ctx.world_size, socket.gethostname()
     dist.all_gather_object(everyone, (host, flags))
@@ -130,9 +130,9 @@ def all_gather_flags(cfg, ctx):
     threads = torch.get_num_threads()
     if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         threads = cpu_threads(sum(other == host for other, _ in everyone))
+    torch.set_num_threads(threads)
     print(f"[rank {ctx.rank}] host={host} local_rank={ctx.local_rank} device={ctx.device} "
           f"backend={dist.get_backend()} world_size={ctx.world_size} threads={threads}\n", end="", flush=True)  # 1 write
-    return threads
 
 
 def cpu_threads(ranks_here):

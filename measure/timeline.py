@@ -102,7 +102,10 @@ def worker(known, args):
 
     from torch.distributed.pipelining import PipelineStage
 
-    def chunk(kind, method):  # chapter 10: each micro-batch's forward (F2) and backward (B2) on this stage, as a range
+    # Chapter 10: each micro-batch's forward (F2) and backward (B2) on this stage, as a timed range, on the class
+    # before the chapter makes its stage. pipeline.py's timetable wraps the same two methods on its stage, for the
+    # order of its first step alone (no clock); tests/test_timeline.py checks that the two agree.
+    def chunk(kind, method):
         def run(stage, index, *args, **kwargs):
             with record_function(f"{MARK}{kind}{index}"):
                 return method(stage, index, *args, **kwargs)

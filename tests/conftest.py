@@ -70,9 +70,12 @@ SLURM_TESTS = ("tests/test_slurm.py", "tests/test_slurm_requeue.py", "tests/test
 
 
 def group_of(nodeid):
-    """The worker group of a test: every SLURM test in one, so one local cluster runs at a time; else its module, so
-    a module's module-wide runs are made once."""
-    return "slurm" if nodeid.startswith(SLURM_TESTS) else nodeid.split("::")[0]
+    """The worker group of a test: every SLURM test in one, so one local cluster runs at a time; a document's (or a
+    section's) commands in tests/test_docs.py alone, as they share no fixture; else its module, so a module's
+    module-wide runs are made once."""
+    if nodeid.startswith(SLURM_TESTS):
+        return "slurm"
+    return nodeid if nodeid.startswith("tests/test_docs.py::test_doc_commands_run[") else nodeid.split("::")[0]
 
 
 @pytest.hookimpl(optionalhook=True)  # a known hook only where pytest-xdist is installed

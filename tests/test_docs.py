@@ -1,10 +1,11 @@
 """The docs cannot drift: every command in README.md, the docs/ pages it links and RUN.md is run here, or listed below
 with the reason it can't be.
 
-Commands are the ```bash lines of README.md and docs/*.md, and the `$ ` lines of ```console blocks. Each document's commands run in order, in one
-scratch folder that links to the scripts (later commands use what earlier ones wrote: runs/..., snapshots),
-with the training scripts on a small slice of the real data, and port 29500 swapped for a free one. A command
-must end with the exit status RUN.md shows for it (`[exit status N]`), or 0.
+Commands are the ```bash lines of README.md and docs/*.md, and the `$ ` lines of ```console blocks. Each document's
+commands run in order, in a scratch folder that links to the scripts (later commands use what earlier ones wrote:
+runs/..., snapshots), with the training scripts on a small slice of the real data, and port 29500 swapped for a free
+one: one test per document, and per `## ` section for the long ones (SPLIT), each section in a folder of its own. A
+command must end with the exit status RUN.md shows for it (`[exit status N]`), or 0.
 
 The troubleshooting messages (docs/troubleshooting.md) are real too: each one is made to happen (MAKE_IT_PRINT) and
 must start a line the script prints, with `...` standing for the parts that vary.
@@ -46,9 +47,10 @@ NOT_RUN_HERE = [
                                                           "pipeline at 2 and 3 stages) and checks each trace"),
 ]
 SLICE = "--train-samples 960 --test-samples 500"
+CHAPTER_NAMES = ("single_gpu", "dataparallel", "ddp_launch", "ddp_by_hand", "ddp_mp", "ddp_tcp_manual", "ddp_slurm",
+                 "fsdp", "debug_hang", "tensor_parallel", "pipeline", "diloco")
 # A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).
-CHAPTER = re.compile(r"((?:python3?|torchrun)\s(?:[^;&|()]*?\s)?(?:single_gpu|dataparallel|ddp_launch|ddp_by_hand|ddp_mp|ddp_tcp_manual|"
-                     r"ddp_slurm|fsdp|debug_hang|tensor_parallel|pipeline|diloco)\.py)\b")
+CHAPTER = re.compile(r"((?:python3?|torchrun)\s(?:[^;&|()]*?\s)?(?:" + "|".join(CHAPTER_NAMES) + r")\.py)\b")
 
 
 def docs():
@@ -59,7 +61,25 @@ def docs():
 
 def doc_commands(name):
     """[(command, expected exit status or None)] in document order."""
-    text = (REPO / name).read_text()
+    return [command for _, commands in doc_sections(name) for command in commands]
+
+
+def doc_sections(name):
+    """[(heading, its commands as doc_commands gives them)] per `## ` section (a `### ` stays in its section); the
+    text above the first heading is the section "top"."""
+    text, title, sections = (REPO / name).read_text(), "top", []
+    in_block, lines = False, []
+    for line in text.splitlines(keepends=True):
+        in_block ^= line.startswith("```")
+        if line.startswith("## ") and not in_block:
+            sections.append((title, _commands(name, "".join(lines))))
+            title, lines = line[3:].strip(), []
+        else:
+            lines.append(line)
+    return [*sections, (title, _commands(name, "".join(lines)))]
+
+
+def _commands(name, text):
     found = []
     for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
         lines = body.splitlines()
@@ -92,6 +112,65 @@ def runnable(command, data_dir, port):
     return command.replace("29500", str(port))
 
 
+# Documents long enough to run per `## ` section, in parallel (pytest -n): RUN.md took 685 s as one test.
+SPLIT = ("README.md", "RUN.md")
+RUN_PATH = re.compile(r"runs/[\w.-]+")  # a run's folder (runs/single_gpu) or a snapshot file (runs/snap.pt)
+
+
+def to_run(doc, commands):
+    """The commands of doc the test runs: not one with a reason not to, and on another page not one RUN.md shows (it
+    runs there, word for word, with its output; a page's commands that use what it wrote are RUN.md's too, or the
+    page's own run fails)."""
+    in_run_md = {command for command, _ in doc_commands("RUN.md")} if doc != "RUN.md" else set()
+    return [(command, status) for command, status in commands if not reason_not_run(command) and command not in in_run_md]
+
+
+def written(command):
+    """The runs/ paths a command writes: each chapter it starts (python or torchrun, the chapter the first script
+    named) writes its --output (else runs/<chapter>) and its --snapshot."""
+    paths = set()
+    for part in re.split(r"[;&|()]", command):
+        script = re.search(r"(?:^|\s)(\S+)\.py(?:\s|$)", part)
+        if script and script[1] in CHAPTER_NAMES and CHAPTER.search(part):
+            output = re.search(r"--output\s+(\S+)", part)
+            paths |= {output[1] if output else f"runs/{script[1]}", *re.findall(r"--snapshot\s+(\S+)", part)}
+    return paths
+
+
+def doc_runs():
+    """(doc, section) for each test: a document with a command to run, whole (section None), or each section of a
+    SPLIT one with a command to run."""
+    return [(doc, title) for doc in docs()
+            for title, commands in (doc_sections(doc) if doc in SPLIT else [(None, doc_commands(doc))])
+            if to_run(doc, commands)]
+
+
+def run_id(doc, section):
+    """README.md, or RUN.md-chapter-3 for `## Chapter 3: ...`: a SPLIT section by its heading's words up to : or ?"""
+    if section is None:
+        return doc
+    return doc + "-" + re.sub(r"\W+", "-", re.split(r"[:?]", section)[0]).strip("-").lower()
+
+
+def commands_of(doc, section):
+    """What the test of (doc, section) runs, in order: the section's commands (a whole document's if section is None),
+    after the earlier sections' commands that wrote what they read (runs/NAME), each the first to write it."""
+    sections = doc_sections(doc)
+    if section is None:
+        return to_run(doc, [command for _, commands in sections for command in commands])
+    index = [title for title, _ in sections].index(section)
+    earlier = [(c, s) for _, commands in sections[:index] for c, s in to_run(doc, commands) if not s]
+    mine, needed, have = to_run(doc, sections[index][1]), [], set()
+    for command, _ in mine:
+        for path in sorted(set(RUN_PATH.findall(command)) - written(command) - have):
+            writer = next(((c, s) for c, s in earlier if path in written(c)), None)
+            if writer and writer not in needed:
+                needed.append(writer)
+                have |= written(writer[0])
+        have |= written(command)
+    return [c for c in earlier if c in needed] + mine
+
+
 @pytest.fixture
 def workspace(tmp_path):
     """A scratch folder where `python single_gpu.py`, `scripts/...`, `measure/...`, `common` and `data` resolve to this repository."""
@@ -102,27 +181,32 @@ def workspace(tmp_path):
 
 
 def test_every_doc_command_is_known():
-    """Each command either runs (below) or has a reason; the lists above hold no stale patterns."""
+    """Each command either runs (below) or has a reason; the lists above hold no stale patterns; a SPLIT document's
+    sections hold all of its commands, and RUN.md's tests run at least 30 of them."""
     assert len(docs()) >= 8, docs()  # README, RUN.md and the six pages it links
     commands = [c for name in docs() for c, _ in doc_commands(name)]
     assert len(commands) > 30
+    for doc in SPLIT:
+        assert doc_commands(doc) == _commands(doc, (REPO / doc).read_text()), doc  # the sections lose none
+        titles = [title for title, _ in doc_sections(doc)]
+        assert len(set(titles)) == len(titles), titles  # a test finds its section by its heading
+    assert sum(len(to_run("RUN.md", commands)) for _, commands in doc_sections("RUN.md")) >= 30
     for pattern, reason in NOT_RUN_HERE:
         assert any(re.search(pattern, c) for c in commands), f"no doc command matches {pattern!r} ({reason}) any more"
 
 
-@pytest.mark.parametrize("doc", docs())
-def test_doc_commands_run(doc, real_data, workspace):
+@pytest.mark.parametrize("doc,section", doc_runs(), ids=[run_id(*run) for run in doc_runs()])
+def test_doc_commands_run(doc, section, real_data, workspace):
+    """The commands of a document, or of one `## ` section of a SPLIT one in a folder of its own: a section that
+    reads what an earlier one wrote (runs/NAME) first runs the earlier command that wrote it (commands_of), e.g.
+    RUN.md's compares chapter 1's `python single_gpu.py`; each command exits as the document says, with no traceback
+    of ours."""
     bin_dir = Path(sys.executable).parent  # python, torchrun: the ones the suite runs with
     env = dict(BASE_ENV, PATH=f"{bin_dir}{os.pathsep}{BASE_ENV.get('PATH', '')}")
     env.pop("SLURM_JOB_ID", None)
     port = free_port()
     ran, killed = 0, False
-    # A command RUN.md shows too runs there, word for word, with its output: another page need not run it again
-    # (commands that use what it wrote are RUN.md's too, or the page's own run below fails).
-    in_run_md = {command for command, _ in doc_commands("RUN.md")} if doc != "RUN.md" else set()
-    for command, status in doc_commands(doc):
-        if reason_not_run(command) or command in in_run_md:
-            continue
+    for command, status in commands_of(doc, section):
         cmd = runnable(command, real_data, port)
         slurm_run = workspace / "runs" / "ddp_slurm"
         if "runs/ddp_slurm" in command and not slurm_run.exists():
@@ -151,7 +235,7 @@ def test_doc_commands_run(doc, real_data, workspace):
             assert "Resuming from runs/snap.pt" in proc.stdout, proc.stdout
         killed = "kill -9 $!" in command
         ran += 1
-    assert ran >= {"RUN.md": 8}.get(doc, 0)
+    assert ran >= 1
 
 
 # ---- docs/troubleshooting.md: every message it shows is one the scripts (or torchrun) really print ----
