@@ -100,6 +100,9 @@ def train(cfg, ctx):
     stage = PipelineStage(model, ctx.rank, ctx.world_size, ctx.device)
     loss_fn = PipelineLoss()  # the last stage's: each micro-batch's share of the step's mean loss (below)
     schedule = SCHEDULES[cfg.schedule](stage, n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
+    # The test set's forwards, in float32 whatever --precision, on a stage of their own over the same layers (torch
+    # before 2.14 keeps the dtypes a stage's first step inferred: autocast's bf16 would refuse float32 later).
+    testing = ScheduleGPipe(PipelineStage(model, ctx.rank, ctx.world_size, ctx.device), cfg.microbatches)
     print0(ctx, f"Pipeline: {ctx.world_size} stage(s), {cfg.microbatches} micro-batches of "
                 f"{cfg.batch_size // cfg.microbatches} images per step, schedule {cfg.schedule}")
     print_parameter_bytes(model, ctx)  # the whole model's, and each stage's layers
@@ -114,7 +117,7 @@ def train(cfg, ctx):
         # The pipeline acts inside: one schedule.step() per global batch runs all micro-batches through all stages
         train_stage_epoch(schedule, stage, loss_fn, train_loader, optimizer, epoch, cfg, ctx, metrics,
                           show_timetable=epoch == first_epoch)
-        evaluate_stages(schedule, stage, test_loader, cfg.batch_size, epoch, ctx, metrics)
+        evaluate_stages(testing, stage, test_loader, cfg.batch_size, epoch, ctx, metrics)
         save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
         if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
@@ -168,17 +171,14 @@ def evaluate_stages(schedule, stage, loader, batch_size, epoch, ctx, metrics):
     """evaluate() for a pipeline stage: schedule.eval() runs the forward passes only; the last stage gets the logits
     and counts (padding rows left out), the others add 0, so every test image is counted once."""
     stage.submod.eval()
-    loss_sum = torch.zeros((), device=ctx.device)
-    correct = torch.zeros((), dtype=torch.long, device=ctx.device)
-    seen = 0
+    loss_sum, correct, seen = torch.zeros((), device=ctx.device), torch.zeros((), device=ctx.device).long(), 0
     for X, y in loader:
         X, y = padded(X, y, batch_size)
         inputs = (X,) if stage.is_first else ()
-        labels = dict(target=y) if stage.is_last else {}  # its loss_fn runs on them too; the loss is not used here
-        pred = schedule.eval(*inputs, **labels)  # the whole batch's logits on the last stage, None on the others
+        pred = schedule.eval(*inputs)  # the whole batch's logits on the last stage, None on the others
         if stage.is_last:
             real = y != PADDING
-            loss_sum += nn.functional.cross_entropy(pred[real].float(), y[real], reduction="sum")
+            loss_sum += nn.functional.cross_entropy(pred[real], y[real], reduction="sum")
             correct += (pred[real].argmax(1) == y[real]).sum()
             seen += int(real.sum())
     return print_test_lines(loss_sum, correct, seen, epoch, ctx, metrics)

@@ -203,9 +203,13 @@ def is_collective(e):
     return e["name"].startswith(("gloo:", "nccl:")) and e.get("cat") != "gpu_user_annotation"
 
 
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel, and cuLaunchKernel (cuBLASLt's GEMMs on an H100)
+
+
 def gpu_kernels(mine, e):
-    """The GPU kernels the CPU-side event e launched (cudaLaunchKernel inside it, the kernel by its correlation)."""
-    launched = {x["args"].get("correlation") for x in mine if x.get("cat") == "cuda_runtime"
+    """The GPU kernels the CPU-side event e launched (a CUDA runtime or driver launch inside it, the kernel by its
+    correlation)."""
+    launched = {x["args"].get("correlation") for x in mine if x.get("cat") in LAUNCHES
                 and e["ts"] <= x["ts"] <= e["ts"] + e.get("dur", 0)}
     return [x for x in mine if x.get("cat") == "kernel" and x["args"].get("correlation") in launched]
 
@@ -265,7 +269,7 @@ def step_events(merged, rank, window):
         w.append(any(t0 <= launch <= t1 for t0, t1 in steps))
     if kernels:  # a GPU rank: its compute as the GPU ran it, each kernel in the phase that launched it
         phases = [(k, t0, t1) for k, t0, t1, label in found if not label]
-        launch = {x["args"].get("correlation"): x["ts"] for x in mine if x.get("cat") == "cuda_runtime"}
+        launch = {x["args"].get("correlation"): x["ts"] for x in mine if x.get("cat") in LAUNCHES}
         found = [f for f in found if f[3]]  # a pipeline's micro-batches stay as the CPU ran them
         for k in kernels:
             at = launch.get(k["args"].get("correlation"), k["ts"])

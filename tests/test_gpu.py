@@ -392,13 +392,14 @@ NO_SYNC = textwrap.dedent("""
     from common.model import NeuralNetwork
     from common.ranks import DistContext
 
-    def quiet(fn):
+    def quiet(fn):  # the mode off inside fn, then back to what it was (off in the warm-up epoch, where fp16 syncs)
         def call(*args, **kwargs):
+            mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(0)
             try:
                 return fn(*args, **kwargs)
             finally:
-                torch.cuda.set_sync_debug_mode("error")
+                torch.cuda.set_sync_debug_mode(mode)
         return call
 
     engine.all_reduce_sum, engine.synchronize = quiet(engine.all_reduce_sum), quiet(engine.synchronize)

@@ -199,13 +199,15 @@ def test_merge_recovers_a_clock_skew_planted_in_one_rank(tmp_path):
 # A trace of CUDA's shape, as torch's profiler (Kineto) exports one from an NCCL rank (torch 2.14's
 # export_chrome_trace; the fields torch's own DDP profiling test and Kineto's ChromeTraceLogger name): each collective
 # twice, the CPU op (its launch, with its shapes) and a `gpu_user_annotation` copy on the GPU's row; the CPU op launches
-# the NCCL kernel (`cudaLaunchKernel`, a `cuda_runtime` event) that runs later on the GPU's stream (a `kernel` event
-# with the same `correlation`); the model's kernels likewise, launched inside the forward, backward and optimizer.
+# the NCCL kernel (`cudaLaunchKernel`, a `cuda_runtime` event; `cuLaunchKernel`, a `cuda_driver` one, for cuBLASLt's
+# GEMMs) that runs later on the GPU's stream (a `kernel` event with the same `correlation`); the model's kernels
+# likewise, launched inside the forward, backward and optimizer. tests/recorded/ holds a real one, from an H100.
 def cuda_shaped_trace():
     events, stream = [], dict(pid=0, tid=7)
     cpu = lambda name, ts, dur, cat="user_annotation", **args: events.append(
         dict(ph="X", cat=cat, name=name, pid=100, tid=100, ts=ts, dur=dur, args=args))
-    launch = lambda ts, correlation: cpu("cudaLaunchKernel", ts, 5, "cuda_runtime", correlation=correlation)
+    launch = lambda ts, correlation, api="cuda_runtime": cpu(
+        dict(cuda_runtime="cudaLaunchKernel", cuda_driver="cuLaunchKernel")[api], ts, 5, api, correlation=correlation)
     kernel = lambda name, ts, dur, correlation: events.append(
         dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args=dict(correlation=correlation, stream=7), **stream))
     cpu("timeline:start", 0, 1)
@@ -213,7 +215,7 @@ def cuda_shaped_trace():
     launch(20, 1)
     kernel("void gemmSN_TN_kernel<float>", 40, 300, 1)
     cpu("autograd::engine::evaluate_function: AddmmBackward0", 120, 80, "cpu_op")
-    launch(130, 2)
+    launch(130, 2, "cuda_driver")  # cuBLASLt's GEMMs launch through the driver (an H100's trace, tests/recorded/)
     kernel("void gemmSN_NN_kernel<float>", 350, 400, 2)
     for i, (floats, at) in enumerate([(267_786, 210), (401_920, 260)]):  # DDP's two buckets
         cpu("nccl:all_reduce", at, 30, **{"Input Dims": [[floats]], "Input type": ["float"]})
@@ -239,6 +241,30 @@ def test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once(tmp_path):
     assert sorted((kind, t0, t1) for kind, t0, t1, _ in found) == [
         ("backward", 350, 750), ("forward", 40, 340), ("optimizer", 1800, 1900)]
     assert gaps == []  # a GPU rank's waiting is on its stream, not in its CPU thread
+
+
+def test_a_real_h100_trace_draws_each_step_as_the_gpu_ran_it(tmp_path):
+    """The trace measure/timeline.py recorded on an NVIDIA H100 (torch 2.11, NCCL 2.28, `ddp_launch.py --nproc 1`,
+    tests/recorded/): every recorded step holds DDP's two all-reduces once each with their bytes (the trace holds
+    each twice, its `gpu_user_annotation` copy dropped), and the step's compute is the GPU's kernels, each drawn
+    where the GPU ran it and after the CPU launched it, in the phase that launched it."""
+    import gzip
+    from measure.timeline import windows
+    trace = gzip.decompress((REPO / "tests/recorded/h100_ddp_launch_one_rank.json.gz").read_bytes())
+    (tmp_path / "rank0.json").write_bytes(trace)
+    merged, _ = merge(tmp_path, 1)
+    kernels = {(e["ts"], e["ts"] + e["dur"]): e for e in merged if e.get("cat") == "kernel"}
+    launched = {e["args"]["correlation"]: e["ts"] for e in merged if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    steps = windows(merged, 0)
+    assert len(steps) == 5, steps
+    for window in steps:
+        found, wire, gaps = step_events(merged, 0, window)
+        assert sorted(w[5] for w in wire) == sorted(COLLECTIVES["ddp_launch.py"]["all_reduce"]), wire
+        assert {kind for kind, *_ in found} == {"forward", "backward", "optimizer"}, found
+        for kind, t0, t1, label in found:
+            kernel = kernels[(t0, t1)]  # a kernel's own range, not the CPU op that launched it
+            assert launched[kernel["args"]["correlation"]] <= t0, kernel  # nothing runs before it was launched
+        assert gaps == []
 
 
 def test_the_chapters_gain_no_profiling_line():

@@ -216,6 +216,10 @@ MUTATIONS = [
         ["tests/test_timeline.py::test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once"],
         ("measure/timeline.py", """    return e["name"].startswith(("gloo:", "nccl:")) and e.get("cat") != "gpu_user_annotation\"""",
          """    return e["name"].startswith(("gloo:", "nccl:"))""")),
+    bug("timeline-driver-launches-missed", "a kernel launched through CUDA's driver (cuBLASLt's GEMMs) is drawn in "
+        "the phase that launched it, not where the GPU ran it",
+        ["tests/test_timeline.py::test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once"],
+        ("measure/timeline.py", 'LAUNCHES = ("cuda_runtime", "cuda_driver")', 'LAUNCHES = ("cuda_runtime",)')),
     bug("timeline-wire-from-launch", "a GPU rank's wire is its NCCL kernels' time on the GPU, not the CPU's launch",
         ["tests/test_timeline.py::test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once"],
         ("measure/timeline.py", "            on_gpu = gpu_kernels(mine, e) if kernels else []",
