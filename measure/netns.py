@@ -139,6 +139,11 @@ class TwoMachines:
         """Take node's end of the link down (a pulled cable: both ends lose carrier) or bring it back up."""
         _run(["ip", "-n", self.ns[node], "link", "set", IFNAME, "up" if up else "down"])
 
+    def sent_bytes(self):
+        """Bytes both nodes have sent over the link so far, as their interfaces count them (headers and resends too)."""
+        return sum(int(subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{IFNAME}/statistics/tx_bytes"],
+                                      capture_output=True, text=True, check=True).stdout) for ns in self.ns.values())
+
     def congestion_control(self, name=None):
         """TCP's congestion control on both nodes: set it to name first, if given; the name in use. A namespace takes
         only the algorithms the host allows (net.ipv4.tcp_allowed_congestion_control); it starts with the host's."""

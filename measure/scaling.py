@@ -107,6 +107,7 @@ SPEED_GOAL = {"100mbit": 1.3, "10mbit": 0.75}  # two ranks with a remedy against
 # 20.8% after 5 epochs for everyone; at 0.016 chapter 1 reaches 64.8%, as at the quickstart's batch (64.9%).
 WHOLE_EPOCHS, WHOLE_LR = 5, 0.016
 WHOLE_STEPS = WHOLE_EPOCHS * -(-60_000 // BATCH)  # 295 optimizer steps; PowerSGD from 10% of them is START 29
+DILOCO_RATES = ("unlimited", "100mbit", "10mbit")
 WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the others on the two machines (ddp_launch.py)
     "single": ([], ()),
     "ddp": ([], ("100mbit", "1gbit")),  # at 10 Mbit/s a whole run takes 11 minutes (2.3 s a step): 0.02x a step
@@ -118,7 +119,19 @@ WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the other
     "localsgd": (["--comm-hook", "localsgd:16"], ("100mbit",)),
     "localsgd_epoch": (["--comm-hook", f"localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}"], ("100mbit", "10mbit")),
     "localsgd_epoch_0": (["--comm-hook", f"localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}:0"], ("100mbit", "10mbit")),
+    # DiLoCo (chapter 11, diloco.py): H inner steps between a fragment's syncs, F fragments, each all-reduce waited K
+    # steps after its start; the outer SGD's lr and Nesterov momentum. Run with --rows (not by default), with the
+    # unshaped link too (its goal: within 15% of the time there). An epoch is 59 steps at batch 1,024.
+    "diloco_h59": (["--sync-every", "59", "--wire-dtype", "bf16"], DILOCO_RATES),
+    "diloco_h59_fp32": (["--sync-every", "59", "--wire-dtype", "fp32"], DILOCO_RATES),
+    "diloco_h30": (["--sync-every", "30"], DILOCO_RATES),
+    "diloco_f4_k10": (["--sync-every", "59", "--fragments", "4", "--overlap", "10"], DILOCO_RATES),
+    "diloco_f8_k7": (["--sync-every", "59", "--fragments", "8", "--overlap", "7"], DILOCO_RATES),
+    "diloco_f4_k10_lr1": (["--sync-every", "59", "--fragments", "4", "--overlap", "10", "--outer-lr", "1"],
+                          DILOCO_RATES),
 }
+DILOCO_GOAL = {"10mbit": 1.5, "100mbit": 1.6}  # x chapter 1's speed; and within 0.5 points of its accuracy
+DILOCO_UNSHAPED, DILOCO_FEWER_BYTES = 1.15, 50  # at 10 Mbit/s at most 1.15x its unshaped time; 50x fewer than DDP's
 WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)", "by_hand": "DDP by hand (chapter 3b)",
                "powersgd": "DDP, --comm-hook powersgd (rank 1, start 2)",
                "powersgd_10pct": f"DDP, --comm-hook powersgd:1:{WHOLE_STEPS // 10} (start at 10%)",
@@ -126,6 +139,9 @@ WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)", "by
                "localsgd_epoch": f"DDP, --comm-hook localsgd:{WHOLE_STEPS // WHOLE_EPOCHS} (averaged once an epoch)",
                "localsgd_epoch_0": f"DDP, --comm-hook localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}:0 (once an epoch, "
                                    f"local from step 1)"}
+WHOLE_NAMES.update({name: "DiLoCo (chapter 11), " + " ".join(WHOLE_ROWS[name][0]) for name in WHOLE_ROWS
+                    if name.startswith("diloco")})
+WHOLE_SCRIPTS = {"by_hand": "ddp_by_hand.py", **{name: "diloco.py" for name in WHOLE_ROWS if name.startswith("diloco")}}
 
 
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
@@ -528,11 +544,13 @@ def run_whole(name, rate, net, data_dir, tmp):
     if name == "single":  # one thread, as each rank on the two machines has
         procs = [harness.start(harness.torchrun(None, ["single_gpu.py", *args]), harness.env(OMP_NUM_THREADS="1"))]
     else:
-        procs = harness.torchrun_on_two(net, ["ddp_by_hand.py" if name == "by_hand" else "ddp_launch.py", *args])
+        sent = net.sent_bytes()
+        procs = harness.torchrun_on_two(net, [WHOLE_SCRIPTS.get(name, "ddp_launch.py"), *args])
     harness.wait_for(procs, f"{WHOLE_NAMES[name]} at {rate or 'no link'}", timeout=1800)
     epochs = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
     return dict(row=name, rate=rate, train_seconds=sum(r["train_seconds"] for r in epochs),
-                wall_seconds=time.perf_counter() - start, accuracy=epochs[-1]["test_accuracy"])
+                wall_seconds=time.perf_counter() - start, accuracy=epochs[-1]["test_accuracy"],
+                link_bytes=None if name == "single" else net.sent_bytes() - sent)
 
 
 def measure_whole(rows, rates, repeats, data_dir, congestion_control=None):
@@ -564,7 +582,9 @@ def whole_report(measured):
     print(f"\nWhole runs: {measured['epochs']} epochs of the 60,000 images at global batch {measured['batch']} (512 per "
           f"rank), --lr {measured['lr']}; one rank per machine, gloo, 1 thread per rank, TCP {measured['tcp']}, no "
           f"delay; the mean of {len(single)} runs (min-max); torch {env_.get('torch')}, {env_.get('cpu_count')} cores\n")
-    print("| run | link | first step to last, s | vs chapter 1 | wall time, s | test accuracy |\n|---|---|---|---|---|---|")
+    counted = any(r.get("link_bytes") for r in runs)  # the link's bytes, counted on its interfaces (not in old JSON)
+    print("| run | link | first step to last, s | vs chapter 1 | wall time, s | test accuracy |" +
+          " sent over the link, MB |" * counted + "\n|---|---|---|---|---|---|" + "---|" * counted)
     groups = {}
     for r in runs:
         groups.setdefault((r["row"], r["rate"]), []).append(r)
@@ -573,9 +593,15 @@ def whole_report(measured):
               f"{spread([r['train_seconds'] for r in group], lambda v: f'{v:,.1f}')} | "
               f"{spread([base / r['train_seconds'] for r in group], lambda v: f'{v:.2f}')} | "
               f"{spread([r['wall_seconds'] for r in group], lambda v: f'{v:,.1f}')} | "
-              f"{spread([100 * r['accuracy'] for r in group], lambda v: f'{v:.1f}%')} |")
+              f"{spread([100 * r['accuracy'] for r in group], lambda v: f'{v:.1f}%')} |" +
+              ("" if not counted else " |" if name == "single" else
+               f" {spread([r['link_bytes'] / 1e6 for r in group], lambda v: f'{v:,.2f}')} |"))
     print()
+    ddp_bytes = [r["link_bytes"] for r in runs if r["row"] == "ddp" and r.get("link_bytes")]
     for (name, rate), group in groups.items():
+        if name.startswith("diloco") and rate in DILOCO_GOAL:
+            print(diloco_goals(name, rate, group, groups.get((name, "unlimited")), base, base_accuracy, ddp_bytes))
+            continue
         goal = SPEED_GOAL.get(rate)
         if goal:
             speed, accuracy = mean(base / r["train_seconds"] for r in group), mean(r["accuracy"] for r in group)
@@ -583,6 +609,25 @@ def whole_report(measured):
             print(f"{'PASS' if ok else 'MISS'}: {WHOLE_NAMES[name]} at {RATES[rate]}: {speed:.2f}x chapter 1 over whole "
                   f"runs (goal >= {goal}x), {100 * accuracy:.1f}% against chapter 1's {100 * base_accuracy:.1f}% "
                   f"(goal: within 1 point)")
+
+
+def diloco_goals(name, rate, group, unshaped, base, base_accuracy, ddp_bytes):
+    """Chapter 11's goals for one row at one rate, in one line: its speed against chapter 1's, its accuracy within
+    0.5 points, its time within 15% of its own on the unshaped link, and 50x fewer bytes on the link than DDP's."""
+    speed, accuracy = mean(base / r["train_seconds"] for r in group), mean(r["accuracy"] for r in group)
+    goals = [(speed >= DILOCO_GOAL[rate], f"{speed:.2f}x chapter 1 (goal >= {DILOCO_GOAL[rate]}x)"),
+             (accuracy >= base_accuracy - 0.005, f"{100 * accuracy:.1f}% against chapter 1's {100 * base_accuracy:.1f}% "
+                                                 f"(goal: within 0.5 points)")]
+    if rate == "10mbit" and unshaped:
+        slower = mean(r["train_seconds"] for r in group) / mean(r["train_seconds"] for r in unshaped)
+        goals.append((slower <= DILOCO_UNSHAPED, f"{slower:.2f}x its time on the unshaped link (goal <= "
+                                                 f"{DILOCO_UNSHAPED})"))
+    if ddp_bytes and group[0].get("link_bytes"):
+        fewer = mean(ddp_bytes) / mean(r["link_bytes"] for r in group)
+        goals.append((fewer >= DILOCO_FEWER_BYTES, f"{fewer:,.0f}x fewer bytes on the link than DDP (goal >= "
+                                                   f"{DILOCO_FEWER_BYTES}x)"))
+    return (f"{'PASS' if all(ok for ok, _ in goals) else 'MISS'}: {WHOLE_NAMES[name]} at {RATES[rate]}: "
+            + ", ".join(text for _, text in goals))
 
 
 def main():
@@ -613,14 +658,14 @@ def main():
     p.add_argument("--reps", type=int, default=3, help="--order's swaps of each kind; the median counts (default 3)")
     p.add_argument("--whole", action="store_true",
                    help=f"instead of the sweep: whole {WHOLE_EPOCHS}-epoch runs as a user times them, --repeats times "
-                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; all but by_hand by "
-                        f"default, about 20 minutes on 2 cores)")
+                        f"each, with their test accuracy (rows of {','.join(WHOLE_ROWS)}; all but by_hand and "
+                        f"DiLoCo's by default, about 20 minutes on 2 cores)")
     p.add_argument("--repeats", type=int, default=3, help="--whole's runs of each row and rate (default 3)")
     args = p.parse_args()
     if args.whole:
         if args.from_json:
             return whole_report(harness.read_json(args.from_json))
-        rows = args.rows.split(",") if "--rows" in sys.argv else [n for n in WHOLE_ROWS if n != "by_hand"]
+        rows = args.rows.split(",") if "--rows" in sys.argv else [n for n in WHOLE_ROWS if n not in WHOLE_SCRIPTS]
         rates = args.rates.split(",") if "--rates" in sys.argv else ["100mbit", "10mbit"]
         unknown = [r for r in rows if r not in WHOLE_ROWS] + [r for r in rates if r not in RATES]
         if unknown or "single" not in rows or args.repeats < 1:

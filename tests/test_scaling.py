@@ -203,6 +203,16 @@ def test_no_run_in_docs_crossed_the_link_faster_than_its_rate():
         [(r["row"], r["rate"], r["over_floor"]) for r in shaped if r["communication"] < r["floor"]]
 
 
+def test_no_whole_run_in_docs_sent_its_bytes_faster_than_its_link():
+    """docs/scaling_diloco.json, chapter 11's whole runs: what both machines sent, counted on the link's interfaces,
+    needs at least half of it (the busier direction) over the rate, and every shaped run took longer than that."""
+    runs = json.loads((REPO / "docs" / "scaling_diloco.json").read_text())["runs"]
+    shaped = [r for r in runs if r["rate"] in ("10mbit", "100mbit")]
+    assert len(shaped) == 39 and all(r["link_bytes"] for r in shaped), len(shaped)  # 13 rows x 3 repeats
+    for r in shaped:
+        assert r["link_bytes"] / 2 * 8 / tc_bits(r["rate"]) < r["wall_seconds"], r
+
+
 def test_gloo_sends_nothing_until_the_peer_is_ready_to_receive(tmp_path):
     """docs/scaling.md's reason FSDP2 misses the floor on gloo: a rank sends only once its peer says it is ready to
     receive, and that message travels behind the data the peer has already sent. With the peer 50 ms late, a swap of
@@ -255,6 +265,8 @@ def test_whole_runs_are_timed_and_scored_as_a_user_runs_them(whole):
     for r in measured["runs"]:
         runs[(r["row"], r["rate"])].append(r)
         assert 0 < r["train_seconds"] < r["wall_seconds"], r
+        # counted on the link's interfaces: at least the weights DDP broadcasts from rank 0 before the first step
+        assert r["link_bytes"] is None if r["row"] == "single" else r["link_bytes"] > 2_678_824, r
     assert {key: len(group) for key, group in runs.items()} == {("single", None): 2, ("powersgd", "100mbit"): 2}
     single, powersgd = runs[("single", None)], runs[("powersgd", "100mbit")]
     base = sum(r["train_seconds"] for r in single) / 2
@@ -267,3 +279,21 @@ def test_whole_runs_are_timed_and_scored_as_a_user_runs_them(whole):
     assert row in report, (row, report)
     assert re.search(rf"^(PASS|MISS): .* at 100 Mbit/s: {sum(ratios) / 2:.2f}x chapter 1 over whole runs", report,
                      re.M), report
+
+
+def test_diloco_rows_are_judged_by_chapter_11s_goals():
+    """--whole's line for a DiLoCo row at 10 Mbit/s: its speed against chapter 1's mean, its accuracy within 0.5
+    points, its time against its own on the unshaped link, and DDP's bytes on the link against its own (a planted
+    miss of each turns the line to MISS, naming the figure)."""
+    from measure.scaling import diloco_goals
+    run = lambda seconds, accuracy=0.645, sent=25e6: dict(train_seconds=seconds, accuracy=accuracy, link_bytes=sent)
+    unshaped = [run(6.0), run(6.2)]
+    line = lambda group: diloco_goals("diloco_f4_k10", "10mbit", group, unshaped, 16.0, 0.648, [2e9, 2e9])
+    assert line([run(6.8), run(7.0)]) == (
+        "PASS: DiLoCo (chapter 11), --sync-every 59 --fragments 4 --overlap 10 at 10 Mbit/s: 2.32x chapter 1 (goal >= "
+        "1.5x), 64.5% against chapter 1's 64.8% (goal: within 0.5 points), 1.13x its time on the unshaped link (goal <= "
+        "1.15), 80x fewer bytes on the link than DDP (goal >= 50x)")
+    assert line([run(11.0), run(11.0)]).startswith("MISS")  # 1.45x chapter 1
+    assert line([run(6.8, accuracy=0.642)] * 2).startswith("MISS")  # 0.6 points below
+    assert line([run(7.3), run(7.3)]).startswith("MISS")  # 1.20x its unshaped time
+    assert line([run(6.8, sent=50e6)] * 2).startswith("MISS")  # 40x fewer bytes only
