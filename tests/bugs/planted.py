@@ -216,6 +216,9 @@ MUTATIONS = [
         ["tests/test_timeline.py::test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once"],
         ("measure/timeline.py", """    return e["name"].startswith(("gloo:", "nccl:")) and e.get("cat") != "gpu_user_annotation\"""",
          """    return e["name"].startswith(("gloo:", "nccl:"))""")),
+    bug("diloco-goal-forgets-the-unshaped-link", "--whole judges a DiLoCo row at 10 Mbit/s against its own time on the "
+        "unshaped link too", ["tests/test_scaling.py::test_diloco_rows_are_judged_by_chapter_11s_goals"],
+        ("measure/scaling.py", "goals.append((slower <= DILOCO_UNSHAPED,", "goals.append((True,")),
     bug("timeline-driver-launches-missed", "a kernel launched through CUDA's driver (cuBLASLt's GEMMs) is drawn in "
         "the phase that launched it, not where the GPU ran it",
         ["tests/test_timeline.py::test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once"],
