@@ -1,5 +1,4 @@
 """Finding and serving FashionMNIST through torchvision; the samplers that make every chapter see the same batches."""
-import gzip
 import http.server
 import threading
 

@@ -26,7 +26,7 @@ import torch
 from common.model import NeuralNetwork
 from support import REPO
 from support.data import make_fake_fashion_mnist
-from support.launchers import SLURM_ENV, fake_scontrol, stale_rendezvous_file
+from support.launchers import stale_rendezvous_file
 from support.ports import free_port
 from support.run import BASE_ENV, TORCHRUN, no_abort_at_exit, run_script
 
