@@ -139,9 +139,9 @@ WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)", "by
                "localsgd_epoch": f"DDP, --comm-hook localsgd:{WHOLE_STEPS // WHOLE_EPOCHS} (averaged once an epoch)",
                "localsgd_epoch_0": f"DDP, --comm-hook localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}:0 (once an epoch, "
                                    f"local from step 1)"}
-WHOLE_NAMES.update({name: "DiLoCo (chapter 11), " + " ".join(WHOLE_ROWS[name][0]) for name in WHOLE_ROWS
-                    if name.startswith("diloco")})
-WHOLE_SCRIPTS = {"by_hand": "ddp_by_hand.py", **{name: "diloco.py" for name in WHOLE_ROWS if name.startswith("diloco")}}
+DILOCO_ROWS = [name for name in WHOLE_ROWS if name.startswith("diloco")]
+WHOLE_NAMES.update({name: "DiLoCo (chapter 11), " + " ".join(WHOLE_ROWS[name][0]) for name in DILOCO_ROWS})
+WHOLE_SCRIPTS = {"by_hand": "ddp_by_hand.py", **{name: "diloco.py" for name in DILOCO_ROWS}}
 
 
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
@@ -599,7 +599,7 @@ def whole_report(measured):
     print()
     ddp_bytes = [r["link_bytes"] for r in runs if r["row"] == "ddp" and r.get("link_bytes")]
     for (name, rate), group in groups.items():
-        if name.startswith("diloco") and rate in DILOCO_GOAL:
+        if name in DILOCO_ROWS and rate in DILOCO_GOAL:
             print(diloco_goals(name, rate, group, groups.get((name, "unlimited")), base, base_accuracy, ddp_bytes))
             continue
         goal = SPEED_GOAL.get(rate)
