@@ -4,20 +4,22 @@
     python measure/strategy_table.py --write README.md    # and put into README.md between its table markers
     python measure/strategy_table.py --rows ddp,tp --ranks 2     # some rows
 
-Each row runs its chapter unchanged under torchrun (chapter 1 alone) on the CPU with gloo, twice: 4 and 8 optimizer
-steps of the default 64-image batch, SGD with --momentum 0.9 so the optimizer holds a velocity per weight. Whatever
-the two runs share (start-up, the test, the first loss line) cancels in their difference; what is left, over 4 steps,
-is one optimizer step's communication. The numbers come from torch's own records, read inside each rank:
+Each row runs its chapter unchanged under torchrun (chapter 1 alone) on the CPU with gloo, once: 8 optimizer steps of
+the default 64-image batch, SGD with --momentum 0.9 so the optimizer holds a velocity per weight, the records read
+after the 4th step and after the 8th. What came before the 4th step's end (start-up, the first loss line, the first
+steps) cancels in their difference, and the test comes after the 8th; what is left, over 4 steps, is one optimizer
+step's communication. The numbers come from torch's own records, read inside each rank:
 
 - collectives: torch's flight recorder (TORCH_FR_BUFFER_SIZE), which logs every collective a process group runs,
   DDP's C++ all-reduces included, with its sizes, dtypes and group; read before the chapter's destroy_process_group
-  (torch 2.14.1 records gloo's collectives; the table was made there).
+  (torch 2.14.1 records gloo's collectives; the table was made there). A collective is recorded as it starts, so
+  each step's are in the record when its optimizer step ends.
   Bytes sent per rank are what a ring algorithm sends for each: 2(n-1)/n of the buffer for an all-reduce, (n-1)/n
   of the whole for an all-gather or a reduce-scatter (n: the ranks of its group). gloo's own algorithms may send more.
 - point-to-point (the pipeline's activations and their gradients): gloo's flight recorder does not log sends, so
   every torch.distributed.P2POp made with isend is counted with its tensor's bytes.
 - held bytes: an optimizer step hook (torch.optim.Optimizer.register_optimizer_step_post_hook) adds up what this
-  rank holds after each step: its parameters, their gradients, the optimizer's state (local slices of DTensors).
+  rank holds after the 8th step: its parameters, their gradients, the optimizer's state (local slices of DTensors).
 
 Each rank writes one JSON file; the table shows the largest rank's numbers (pipeline stages differ).
 """
@@ -35,7 +37,7 @@ from common.cli import FatalError, run_main  # noqa: E402
 from measure import harness  # noqa: E402
 from measure.harness import kib, sent_by_ring  # noqa: E402
 
-STEPS = (4, 8)  # optimizer steps of the two runs; their difference is 4 steps
+STEPS = (4, 8)  # the records are read after these optimizer steps; their difference is 4 steps
 BATCH = 64
 ROWS = {  # name: (chapter, extra flags, ranks it runs at, what it is, use it when)
     "single": ("single_gpu.py", [], (1,), "chapter 1, one process",
@@ -67,21 +69,30 @@ def _local_bytes(t):
 
 
 def worker(known, args):
-    """Run the chapter with args in this process, recording its communication and what it holds; write
-    out/<rank>.json."""
+    """Run the chapter with args in this process, recording its communication after each of STEPS and what it holds;
+    write out/<rank>.json: {"records": one per step of STEPS}."""
     import torch
     import torch.distributed as dist
 
-    held, sends, trace = {}, [], {}
+    records, sends = [], []
 
     def after_step(n, optimizer):
+        if n not in STEPS:
+            return
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        held.update(params=sum(map(_local_bytes, params)),
+        held = dict(params=sum(map(_local_bytes, params)),
                     grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
                     optimizer=sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values()
                                   if isinstance(v, torch.Tensor)))
+        trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+        # Each group's size by its name (the record's pg_config is empty for gloo on torch 2.14.1)
+        sizes = {name: pg.size() for pg, name in dist.distributed_c10d._world.pg_names.items()}
+        collectives = [dict(kind=e["profiling_name"].split(":")[-1], ranks=sizes[e["process_group"][0]],
+                            sizes=e["input_sizes"], out_sizes=e["output_sizes"], dtypes=e["input_dtypes"])
+                       for e in trace.get("entries", [])]
+        records.append(dict(held=held, collectives=collectives, sends=list(sends)))
 
-    harness.after_steps(after_step)
+    steps = harness.after_steps(after_step)
 
     class CountedP2POp(dist.P2POp):  # the pipeline builds one per send or receive
         def __init__(self, op, tensor, *rest, **kw):
@@ -90,32 +101,18 @@ def worker(known, args):
                 sends.append(_local_bytes(tensor))
 
     dist.P2POp = CountedP2POp
-    destroy = dist.destroy_process_group
-
-    def read_the_record_then_destroy(*a, **kw):
-        trace.update(pickle.loads(torch._C._distributed_c10d._dump_fr_trace()))
-        # Each group's size by its name (the record's pg_config is empty for gloo on torch 2.14.1)
-        trace["sizes"] = {name: pg.size() for pg, name in dist.distributed_c10d._world.pg_names.items()}
-        return destroy(*a, **kw)
-
-    dist.destroy_process_group = read_the_record_then_destroy
 
     def write(code):
-        sizes = trace.get("sizes", {})
-        collectives = [dict(kind=e["profiling_name"].split(":")[-1], ranks=sizes[e["process_group"][0]],
-                            sizes=e["input_sizes"], out_sizes=e["output_sizes"], dtypes=e["input_dtypes"])
-                       for e in trace.get("entries", [])]
-        Path(known.out, f"{harness.rank()}.json").write_text(json.dumps(dict(held=held, collectives=collectives,
-                                                                             sends=sends)))
-        return code
+        Path(known.out, f"{harness.rank()}.json").write_text(json.dumps(dict(records=records)))
+        return code or harness.too_few_steps(known.worker, steps[0], STEPS[-1])
 
     harness.run_chapter(known.worker, args, write)
 
 
-# --- The driver: run each row twice, take the difference, make the table ---
+# --- The driver: run each row, take the difference of its records, make the table ---
 
-def run(chapter, extra, ranks, steps, data_dir):
-    """One run of chapter at ranks with `steps` optimizer steps: every rank's record."""
+def run(chapter, extra, ranks, data_dir, steps=STEPS[-1]):
+    """One run of chapter at ranks with `steps` optimizer steps: every rank's records."""
     out = Path(tempfile.mkdtemp(prefix="strategy-"))
     args = ["--train-samples", str(steps * BATCH), "--test-samples", str(BATCH), "--batch-size", str(BATCH),
             "--epochs", "1", "--log-every", "1000", "--momentum", "0.9", "--device", "cpu", "--output", str(out / "run"),
@@ -123,14 +120,14 @@ def run(chapter, extra, ranks, steps, data_dir):
     alone = ranks == 1 and chapter == "single_gpu.py"
     harness.run(harness.torchrun(None if alone else ranks, [*harness.worker_command(__file__, chapter, out), *args]),
                 f"{chapter} at {ranks} rank(s)", harness.env(TORCH_FR_BUFFER_SIZE="100000", OMP_NUM_THREADS="1"))
-    return harness.records(out, ranks, f"{chapter} at {ranks} rank(s)")
+    return [rank["records"] for rank in harness.records(out, ranks, f"{chapter} at {ranks} rank(s)")]
 
 
-def per_step(short, long):
-    """Per rank: (held bytes, {kind: collectives per step}, bytes sent per step) from the two runs' difference."""
+def per_step(ranks_records):
+    """Per rank: (held bytes, {kind: collectives per step}, bytes sent per step) from its two records' difference."""
     steps = STEPS[1] - STEPS[0]
     rows = []
-    for a, b in zip(short, long):
+    for a, b in ranks_records:
         kinds = {}
         for c in b["collectives"]:
             kinds[c["kind"]] = kinds.get(c["kind"], 0) + 1
@@ -149,7 +146,7 @@ def per_step(short, long):
 def measure(name, ranks, data_dir):
     """One row of the table: the largest rank's held bytes and bytes sent, the collectives per step."""
     chapter, extra, _, _, _ = ROWS[name]
-    ranks_rows = per_step(*(run(chapter, extra, ranks, s, data_dir) for s in STEPS))
+    ranks_rows = per_step(run(chapter, extra, ranks, data_dir))
     held = max((r[0] for r in ranks_rows), key=lambda h: sum(h.values()))
     kinds = max((r[1] for r in ranks_rows), key=lambda k: sum(k.values()))
     sent = max(r[2] for r in ranks_rows)
