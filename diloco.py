@@ -5,10 +5,13 @@ diloco.py
 
     torchrun --standalone --nproc-per-node 2 diloco.py --sync-every 10             # one machine, 2 processes
     torchrun --standalone --nproc-per-node 2 diloco.py --sync-every 30 --fragments 3 --overlap 5   # streaming
+    torchrun --nnodes 2 --nproc-per-node 2 ... diloco.py --ranks-per-replica 2   # a machine's 2 ranks train one copy
 
 The weights cross the network once every H steps instead of the gradients every step (DiLoCo, Douillard et al. 2023,
 arXiv 2311.08105). Streaming DiLoCo (arXiv 2501.18512): --fragments F slices of the weights synced at staggered
 steps, each all-reduce waited --overlap K steps after it starts (the wire runs under the compute), in bf16.
+With --ranks-per-replica N, the N ranks of a machine train one copy together, averaging their gradients every step
+over the fast link inside it (as DDP does); only the outer sync crosses the slow one, each rank carrying 1/N of it.
 """
 import os
 from datetime import timedelta
@@ -37,6 +40,9 @@ def check_diloco(cfg):
     if cfg.fragments > cfg.sync_every:
         return (f"--fragments {cfg.fragments} is more than --sync-every {cfg.sync_every}: the fragments are synced "
                 f"H/F steps apart, at least one step; use at most {cfg.sync_every} fragments")
+    if int(os.environ.get("WORLD_SIZE", 1)) % cfg.ranks_per_replica:
+        return (f"--ranks-per-replica {cfg.ranks_per_replica} does not divide the {os.environ['WORLD_SIZE']} ranks: "
+                f"give each copy the same number of ranks (a machine's --nproc-per-node)")
     if cfg.overlap > cfg.sync_every:
         return (f"--overlap {cfg.overlap} is more than --sync-every {cfg.sync_every}: a fragment's all-reduce must "
                 f"end before its next one starts; use an --overlap of at most {cfg.sync_every}")
@@ -50,7 +56,9 @@ DILOCO_FLAGS = dict(
                         "the outer SGD's Nesterov momentum (DiLoCo's 0.9; 0: plain SGD, torch's Nesterov needs some)"),
     fragments=flag(1, POSITIVE, "F: equal flat slices of the weights, each synced every H steps, H/F steps apart"),
     overlap=flag(0, NON_NEGATIVE, "K: inner steps from a fragment's all-reduce start to its wait (0: at once)"),
-    wire_dtype=flag("bf16", tuple(WIRE), "the pseudo-gradients' dtype on the wire (bf16: half of fp32's bytes)"))
+    wire_dtype=flag("bf16", tuple(WIRE), "the pseudo-gradients' dtype on the wire (bf16: half of fp32's bytes)"),
+    ranks_per_replica=flag(1, POSITIVE, "N: ranks r..r+N-1 train one copy, averaging gradients every step (a "
+                                        "machine's ranks: its --nproc-per-node); the outer sync runs across copies"))
 
 
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
@@ -85,13 +93,23 @@ def train(cfg, ctx):
     output = prepare_output(cfg.output)
     time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 
+    # Step 3, init (continued): two process groups. The N ranks of a copy (one machine: torchrun numbers its ranks in
+    # a row) average their gradients every step in `replica`; `across` joins the ranks at one place in every copy.
+    n, copies = cfg.ranks_per_replica, ctx.world_size // cfg.ranks_per_replica
+    replica, across = None, None  # None: the default group, all ranks (one rank per copy)
+    if n > 1:
+        replica, _ = dist.new_subgroups_by_enumeration([list(range(r, r + n)) for r in range(0, ctx.world_size, n)])
+        across, _ = dist.new_subgroups_by_enumeration([list(range(i, ctx.world_size, n)) for i in range(n)])
+
     # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
+    # Copy c's N ranks take what rank c of `copies` ranks would (so a copy trains alike at any N), dealt among them.
+    dealt = ctx.rank // n + ctx.rank % n * copies  # ctx.rank at one rank per copy
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
         locate_fashion_mnist(cfg.data_dir)
     dist.barrier()  # ... while the others wait here
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
-    train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
+    train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=dealt, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
                               sampler=train_sampler, collate_fn=default_convert)
     test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
@@ -108,7 +126,9 @@ def train(cfg, ctx):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # the inner optimizer
     # ... then trains alone; every H steps after the inner step, the ranks average how far they moved since the last
     # sync (one all-reduce), and the outer optimizer steps the shared weights with it: every rank continues from them
-    diloco = DiLoCo(model, optimizer, cfg, ctx)
+    if replica is not None:  # a copy's ranks average their gradients before each inner step, as DDP does
+        optimizer.register_step_pre_hook(lambda *_: average_gradients(model, n, replica))
+    diloco = DiLoCo(model, optimizer, cfg, ctx, replica, across, copies)
     optimizer.register_step_post_hook(diloco.after_inner_step)
     scaler = None  # no loss scaling: fp16, which needs it, is refused (check_diloco)
 
@@ -137,10 +157,13 @@ def train(cfg, ctx):
 
 class DiLoCo:
     """The outer loop, after each inner step: every H steps a fragment's pseudo-gradient (its weights at the last sync
-    minus this rank's now) is all-reduced, started then and waited K steps later, and the outer SGD steps with it."""
+    minus this copy's now) is all-reduced across the copies, started then and waited K steps later (each of a copy's
+    N ranks carries 1/N of it, gathered in the copy at the wait), and the outer SGD steps with it."""
 
-    def __init__(self, model, optimizer, cfg, ctx):
+    def __init__(self, model, optimizer, cfg, ctx, replica=None, across=None, copies=None):
         self.cfg, self.ctx, self.inner, self.step = cfg, ctx, optimizer, 0  # step: inner steps taken, all epochs
+        self.replica, self.across, self.copies = replica, across, copies or ctx.world_size
+        self.n = ctx.world_size // self.copies  # ranks per copy
         self.params = params = list(model.parameters())
         self.sizes = [p.numel() for p in params]
         self.local = torch.cat([p.detach().reshape(-1) for p in params])  # this rank's weights as one flat vector ...
@@ -170,17 +193,27 @@ class DiLoCo:
 
     def start(self, i):
         """Fragment i's pseudo-gradient, averaged over the ranks by an all-reduce that runs while the steps go on."""
-        pseudo_gradient = (self.fragments[i] - self.mine[i]) / self.ctx.world_size  # divided first, as DDP's bf16 hook
-        wire = pseudo_gradient.to(WIRE[self.cfg.wire_dtype])
-        work = dist.all_reduce(wire, async_op=True)  # returns at once; the sum lands in wire
+        pseudo_gradient = (self.fragments[i] - self.mine[i]) / self.copies  # divided first, as DDP's bf16 hook
+        n = self.n  # the copy's ranks hold the same pseudo-gradient: each sends its 1/N
+        wire = torch.zeros(-(-len(pseudo_gradient) // n) * n, dtype=WIRE[self.cfg.wire_dtype], device=self.ctx.device)
+        wire[:len(pseudo_gradient)] = pseudo_gradient  # padded to N equal parts
+        work = dist.all_reduce(wire.chunk(n)[self.ctx.rank % n], group=self.across, async_op=True)  # returns at once
         self.in_flight[i], self.started[i] = [self.step + self.cfg.overlap, work, wire], self.step
+
+    def gather(self, flight):
+        """A fragment's all-reduce waited for; its N parts gathered inside the copy: wire holds the whole sum."""
+        if flight[1] is not None:
+            flight[1].wait()  # on a GPU: the stream waits (NCCL); gloo's thread has ended the sum
+            if self.replica is not None:
+                n, wire = self.n, flight[2]
+                dist.all_gather(list(wire.chunk(n)), wire.chunk(n)[self.ctx.rank % n].clone(), group=self.replica)
+            flight[1] = None
 
     def finish(self, i):
         """Fragment i's all-reduce waited for, the outer step taken with it; this rank continues from the result."""
-        due, work, wire = self.in_flight.pop(i)
-        if work is not None:
-            work.wait()  # on a GPU: the stream waits (NCCL); gloo's thread has ended the sum
-        self.fragments[i].grad = wire.float()
+        flight = self.in_flight.pop(i)
+        self.gather(flight)
+        self.fragments[i].grad = flight[2][:len(self.fragments[i])].float()
         self.outer.step()  # the outer SGD skips the fragments without a gradient: fragment i alone
         self.fragments[i].grad = None
         self.mine[i].copy_(self.fragments[i])  # every rank continues from the shared weights
@@ -206,10 +239,8 @@ class DiLoCo:
 
     def all_gather(self, ctx):
         """For rank 0's snapshot: the outer state, any fragment in flight (waited: its sum), every rank's weights."""
-        for flight in self.in_flight.values():
-            if flight[1] is not None:  # waited now, applied when due: the sum is the same whenever it is read
-                flight[1].wait()
-                flight[1] = None
+        for flight in self.in_flight.values():  # waited now, applied when due: the sum is the same whenever it is read
+            self.gather(flight)
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, dict(local=self.local.cpu(), momentum=[
             self.inner.state[p]["momentum_buffer"].cpu() for p in self.params if self.inner.state[p]]))
@@ -234,6 +265,13 @@ class DiLoCo:
         self.local.copy_(mine["local"])
         for p, momentum in zip([p for p in self.params if self.inner.state[p]], mine["momentum"]):
             self.inner.state[p]["momentum_buffer"].copy_(momentum)  # this rank's own (rank 0's was loaded)
+
+
+def average_gradients(model, world_size, group):
+    """DDP's job by hand: each gradient summed over the ranks, one all-reduce per tensor in turn, then averaged."""
+    for param in model.parameters():
+        dist.all_reduce(param.grad, group=group)  # the sum of the copy's gradients, in place on each of its ranks
+        param.grad /= world_size
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #   sbatch scripts/job_torchrun.sh                  # from the repository root: 2 nodes x 4 GPUs, as below
 #   sbatch scripts/job_torchrun.sh --epochs 1       # anything after the script is passed on to ddp_launch.py
 #   sbatch scripts/job_torchrun.sh --snapshot runs/ddp_launch/snap.pt   # requeued before the time limit, resumes
+#   sbatch scripts/job_torchrun.sh diloco.py --ranks-per-replica 4 --sync-every 30   # another torchrun chapter, first
 #   # a CPU-only cluster (how the tests submit it): one node, 2 CPU workers
 #   NPROC_PER_NODE=2 sbatch --nodes 1 --cpus-per-task 2 --gpus-per-node 0 scripts/job_torchrun.sh
 #
@@ -22,6 +23,11 @@
 #SBATCH --open-mode=append       # a requeued job appends to its log, so the log holds every part
 #SBATCH --output=%x-%j.out       # the log, in the folder you submitted from: %x = job name, %j = job id
 
+# A chapter named first (any that torchrun starts: fsdp.py, tensor_parallel.py, pipeline.py, diloco.py) runs instead
+# of chapter 3; the rest of the arguments are its own.
+chapter=ddp_launch.py
+case "$1" in *.py) chapter=$1; shift ;; esac
+
 # The first host of the allocation hosts the rendezvous; the port is derived from the job id, so two jobs
 # on one node do not collide. NPROC_PER_NODE (default: one per visible GPU) overrides the worker count.
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -36,10 +42,10 @@ port=$((20000 + SLURM_JOB_ID % 10000))
 trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
 # torchrun itself must not see SIGUSR1 (it would die of it, and take its workers along): it starts with the signal
 # ignored (an ignored signal stays ignored across exec, in every shell; coreutils' `env --ignore-signal` needs 8.31),
-# and each worker sets its own handler (ddp_launch.py).
+# and each worker sets its own handler (the chapters' StopAtTimeLimit).
 srun --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec torchrun "$@"' torchrun --nnodes "$SLURM_NNODES" \
     --nproc-per-node "${NPROC_PER_NODE:-gpu}" --rdzv-backend c10d --rdzv-endpoint "$head:$port" \
-    --rdzv-id "$SLURM_JOB_ID" ddp_launch.py "$@" &
+    --rdzv-id "$SLURM_JOB_ID" "$chapter" "$@" &
 step=$!
 wait "$step"; status=$?
 # 138 (128 + SIGUSR1): the trap cut `wait` short while the step runs on, so wait again; or the step itself died of

@@ -58,6 +58,23 @@ def test_a_resumed_run_ends_as_the_uninterrupted_one_as_a_user_runs_it(real_data
     assert accuracy_lines(log)[-2:] == accuracy_lines(straight)[-2:]
 
 
+def test_a_machines_ranks_train_one_copy_and_resume_exactly(real_data, tmp_path, procs):
+    """--ranks-per-replica 2 at 4 ranks (2 machines x 2 ranks, here on one): each pair averages its gradients every
+    step and carries half of each outer all-reduce, gathered in the pair. A pair sees what one rank of a 2-rank run
+    sees, so the pairs train its model; streaming with a fragment in flight across the epoch's end, resumed after
+    epoch 1 (the snapshot holds the gathered sum), within float rounding of it."""
+    flags = [*STREAMING, "--wire-dtype", "fp32"]
+    ref = torchrun("diloco.py", 2, real_data, tmp_path / "two", procs, *flags)
+    snap = [*flags, "--ranks-per-replica", "2", "--snapshot", tmp_path / "snap.pt"]
+    torchrun("diloco.py", 4, real_data, tmp_path / "pairs", procs, *snap, "--epochs", "1")
+    log = torchrun("diloco.py", 4, real_data, tmp_path / "pairs", procs, *snap)
+    assert "Resuming from" in log and "1 of 2 epochs done" in log, log
+    diff = max_abs_diff(load_state(tmp_path / "two" / "model.pth"), load_state(tmp_path / "pairs" / "model.pth"))
+    print(f"max |diff| of 2 pairs, resumed, against 2 ranks: {diff:.3g}")
+    assert diff <= SAME_MODEL
+    assert accuracy_lines(log)[-2:] == accuracy_lines(ref)[-2:]
+
+
 def test_the_epoch_is_evaluated_on_the_shared_weights(real_data, tmp_path, procs):
     """After an epoch of 20 steps with H = 7 each rank's own weights have moved on from the last outer step's (step
     14): the epoch's test lines are those of the shared weights, which the snapshot holds, evaluated here alone."""
@@ -173,11 +190,12 @@ REFUSED = {
     "overlap": (["--sync-every", "4", "--overlap", "5"], "--overlap 5 is more than --sync-every 4"),
     "wire-fp16": (["--wire-dtype", "fp16"], "argument --wire-dtype: invalid choice: 'fp16'"),
     "no-momentum-nesterov": (["--outer-momentum", "1"], "argument --outer-momentum: must be at least 0 and below 1"),
+    "uneven-copies": (["--ranks-per-replica", "3"], "--ranks-per-replica 3 does not divide the 4 ranks"),
 }
 
 
 def test_flags_that_cannot_work_are_one_line():
-    runs = run_forked([("diloco.py", argv, {}) for argv, _ in REFUSED.values()])
+    runs = run_forked([("diloco.py", argv, {"WORLD_SIZE": "4"}) for argv, _ in REFUSED.values()])  # as torchrun's
     for (case, (_, says)), proc in zip(REFUSED.items(), runs):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (case, proc.stderr)
         assert says in proc.stderr, (case, proc.stderr)

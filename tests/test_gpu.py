@@ -503,7 +503,10 @@ def test_dataparallel_replicas_compute_in_bf16():
 @pytest.mark.parametrize("script,extra", [
     ("ddp_launch.py", []), ("fsdp.py", []), ("tensor_parallel.py", []),
     pytest.param("pipeline.py", ["--schedule", "1f1b"], marks=pytest.mark.skipif(bool(NO_PIPELINING), reason=str(NO_PIPELINING))),
-], ids=["ddp_launch.py", "fsdp.py", "tensor_parallel.py", "pipeline.py"])
+    # one DiLoCo copy of 2 ranks (NCCL subgroups, half an all-reduce each, gathered): at outer lr 1, chapter 1's model
+    ("diloco.py", ["--ranks-per-replica", "2", "--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0",
+                   "--wire-dtype", "fp32"]),
+], ids=["ddp_launch.py", "fsdp.py", "tensor_parallel.py", "pipeline.py", "diloco.py"])
 def test_two_gpus_train_chapter_1s_model(script, extra, real_data, cuda_reference, tmp_path):
     argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", script, *SLICE, "--data-dir", real_data, "--output",
             tmp_path, *extra]

@@ -28,6 +28,22 @@ def test_job_trains_the_same_model(slurm, real_data, reference, tmp_path, script
     assert log.count("Done!") == 1 and "Traceback" not in log
 
 
+def test_a_torchrun_job_runs_the_chapter_named_first(slurm, real_data, reference, tmp_path):
+    """`sbatch scripts/job_torchrun.sh diloco.py ...` runs chapter 11 instead of chapter 3: the node's 2 ranks as one
+    DiLoCo copy (--ranks-per-replica 2), which at outer lr 1 without momentum steps to the copy's weights: chapter
+    1's model."""
+    flags = ["--ranks-per-replica", "2", "--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0",
+             "--wire-dtype", "fp32"]
+    job_id, rc, log_path = submit(slurm, "job_torchrun.sh", CPU_TORCHRUN_JOB,
+                                  ["diloco.py", *slice_args(real_data, tmp_path / "run"), *flags], tmp_path,
+                                  {"NPROC_PER_NODE": "2"})
+    log = log_path.read_text()
+    assert rc == 0 and slurm.job_state(job_id)["state"] == "COMPLETED", log
+    assert "ranks_per_replica=2" in log, log  # diloco.py's Config line
+    assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= 1e-5
+    assert accuracy_lines(log) == accuracy_lines(reference[1]) and log.count("Done!") == 1
+
+
 def _task_pid(job_id, rank):
     """The pid of the Python process of task `rank` of a job (found by its SLURM environment), or None."""
     wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}

@@ -297,13 +297,24 @@ MUTATIONS = [
     bug("diloco-async-waited-at-once", "streaming DiLoCo waits for a fragment's all-reduce K inner steps later",
         ["tests/test_diloco.py::test_each_sync_sends_its_fragment_in_the_wire_dtype_and_waits_k_steps_later[fragments-overlap]",
          "tests/test_timeline.py::test_diloco_outer_all_reduce_runs_under_the_inner_steps"],
-        ("diloco.py", "        work = dist.all_reduce(wire, async_op=True)  # returns at once; the sum lands in wire\n",
-         "        work = dist.all_reduce(wire, async_op=True)  # returns at once; the sum lands in wire\n"
+        ("diloco.py", "        work = dist.all_reduce(wire.chunk(n)[self.ctx.rank % n], group=self.across, async_op=True)  # returns at once\n",
+         "        work = dist.all_reduce(wire.chunk(n)[self.ctx.rank % n], group=self.across, async_op=True)  # returns at once\n"
          "        work.wait()\n")),
     bug("diloco-wire-dtype-ignored", "DiLoCo sends the pseudo-gradients in --wire-dtype (bf16: half the bytes)",
         ["tests/test_diloco.py::test_each_sync_sends_its_fragment_in_the_wire_dtype_and_waits_k_steps_later[bf16]"],
-        ("diloco.py", "        wire = pseudo_gradient.to(WIRE[self.cfg.wire_dtype])",
-         "        wire = pseudo_gradient")),
+        ("diloco.py", "dtype=WIRE[self.cfg.wire_dtype], device", "dtype=pseudo_gradient.dtype, device")),
+    bug("diloco-copy-sees-its-own-shuffle", "DiLoCo with --ranks-per-replica N: a copy's ranks take what one rank of "
+        "a run with a rank per copy takes, so it trains that run's model",
+        ["tests/test_diloco.py::test_a_machines_ranks_train_one_copy_and_resume_exactly"],
+        ("diloco.py", "dealt = ctx.rank // n + ctx.rank % n * copies", "dealt = ctx.rank")),
+    bug("diloco-snapshot-holds-one-part", "DiLoCo with --ranks-per-replica N: a fragment in flight is gathered in the "
+        "copy before the snapshot holds it", ["tests/test_diloco.py::test_a_machines_ranks_train_one_copy_and_resume_exactly"],
+        ("diloco.py", "            self.gather(flight)\n        everyone", "            pass\n        everyone")),
+    bug("diloco-copy-spans-machines", "DiLoCo with --ranks-per-replica N: a copy is N ranks in a row (one machine), so "
+        "only the outer sync crosses the link", ["tests/test_multinode.py::"
+                                                "test_diloco_on_two_machines_of_two_ranks_syncs_only_the_outer_step_across"],
+        ("diloco.py", "new_subgroups_by_enumeration([list(range(r, r + n)) for r in range(0, ctx.world_size, n)])",
+         "new_subgroups_by_enumeration([list(range(i, ctx.world_size, n)) for i in range(n)])")),
     bug("diloco-evaluates-own-weights", "DiLoCo evaluates the shared weights of the last outer step",
         ["tests/test_diloco.py::test_the_epoch_is_evaluated_on_the_shared_weights"],
         ("diloco.py", "        evaluate(diloco.shared_model(), test_loader, epoch, ctx, metrics)",
@@ -583,6 +594,9 @@ MUTATIONS = [
         ["tests/test_slurm_env.py::test_a_step_that_ends_with_138_ends_the_job_with_its_status[job.sh-exec sleep 30]"],
         ("scripts/job.sh", 'while [ "$status" = 138 ] && kill -0 "$step" 2>/dev/null; do',
          'while [ -n "$warned" ] && [ "$status" = 138 ]; do')),
+    bug("job-torchrun-runs-chapter-3-only", "scripts/job_torchrun.sh runs the torchrun chapter named first",
+        ["tests/test_slurm.py::test_a_torchrun_job_runs_the_chapter_named_first"],
+        ("scripts/job_torchrun.sh", 'case "$1" in *.py) chapter=$1; shift ;; esac\n', "")),
     bug("torchrun-needs-coreutils-8.31", "batch scripts: torchrun ignores SIGUSR1 on any cluster's coreutils",
         ["tests/test_slurm_env.py::test_torchrun_starts_with_the_warning_ignored_without_coreutils_8_31"],
         ("scripts/job_torchrun.sh", """bash -c 'trap "" USR1; exec torchrun "$@"' torchrun""",

@@ -112,7 +112,8 @@ TWINS = [
     # DiLoCo (chapter 11) at world size 1: with outer lr 1, no outer momentum and fp32 on the wire, each outer step
     # steps to the one rank's weights: chapter 1's model. Its own outer step with fragments overlapped (NCCL's async
     # all-reduce) in bf16 trains; a resumed run holds a fragment in flight; fp16 refused.
-    Twin("diloco.py", ("--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0", "--wire-dtype", "fp32")),
+    Twin("diloco.py", ("--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0", "--wire-dtype", "fp32",
+                       "--ranks-per-replica", "1")),
     Twin("diloco.py", (*LEARNS, "--sync-every", "6", "--fragments", "3", "--overlap", "2", "--wire-dtype", "bf16"),
          "trains"),
     Twin("diloco.py", (*MOMENTUM, "--sync-every", "6", "--fragments", "3", "--overlap", "2"), "resume"),

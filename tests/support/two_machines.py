@@ -32,13 +32,13 @@ def run_on_both(net, procs, commands, env=NODE_ENV, timeout=240):
     return [procs.wait(p, timeout=timeout) for p in started]
 
 
-def torchrun_nodes(rendezvous, script_args, *more):
-    """The torchrun command of each node: 1 process per node, 2 nodes, meeting as `rendezvous` says."""
+def torchrun_nodes(rendezvous, script_args, *more, script="ddp_launch.py", nproc=1):
+    """The torchrun command of each node: nproc processes per node, 2 nodes, meeting as `rendezvous` says."""
     static = rendezvous == "static"
-    return {node: [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", *more,
+    return {node: [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", str(nproc), *more,
                    *(["--node-rank", str(i), "--master-addr", NODES[A], "--master-port", PORT] if static else
                      ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{NODES[A]}:{PORT}", "--rdzv-id", "job1"]),
-                   "ddp_launch.py", *script_args] for i, node in enumerate(NODES)}
+                   script, *script_args] for i, node in enumerate(NODES)}
 
 
 def tcp_nodes(script_args):
