@@ -7,6 +7,7 @@ import os
 import pytest
 
 from support.data import make_fake_fashion_mnist, real_data_dir  # support first: it puts the project on sys.path
+from support.cpu_time import pytest_runtest_protocol  # noqa: F401  (a hook: TESTS_CPU_LOG=FILE, CPU seconds per test)
 from support.run import Procs, run_script
 from support.same_model import load_state, slice_args
 from scripts.plot_curves import read_metrics
