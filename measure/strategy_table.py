@@ -1,6 +1,6 @@
 """What each strategy holds and sends, measured: runs the chapters and writes the README's table.
 
-    python measure/strategy_table.py                      # every row (about 4 minutes on 2 CPU cores), printed
+    python measure/strategy_table.py                      # every row (about 2.5 minutes on 2 CPU cores), printed
     python measure/strategy_table.py --write README.md    # and put into README.md between its table markers
     python measure/strategy_table.py --rows ddp,tp --ranks 2     # some rows
 
