@@ -40,8 +40,8 @@ def check_diloco(cfg):
     if cfg.fragments > cfg.sync_every:
         return (f"--fragments {cfg.fragments} is more than --sync-every {cfg.sync_every}: the fragments are synced "
                 f"H/F steps apart, at least one step; use at most {cfg.sync_every} fragments")
-    if int(os.environ.get("WORLD_SIZE", 1)) % cfg.ranks_per_replica:
-        return (f"--ranks-per-replica {cfg.ranks_per_replica} does not divide the {os.environ['WORLD_SIZE']} ranks: "
+    if (world_size := int(os.environ.get("WORLD_SIZE", 1))) % cfg.ranks_per_replica:  # torchrun's; 1 without it
+        return (f"--ranks-per-replica {cfg.ranks_per_replica} does not divide the {world_size} ranks: "
                 f"give each copy the same number of ranks (a machine's --nproc-per-node)")
     if cfg.overlap > cfg.sync_every:
         return (f"--overlap {cfg.overlap} is more than --sync-every {cfg.sync_every}: a fragment's all-reduce must "
@@ -194,9 +194,8 @@ class DiLoCo:
     def start(self, i):
         """Fragment i's pseudo-gradient, averaged over the ranks by an all-reduce that runs while the steps go on."""
         pseudo_gradient = (self.fragments[i] - self.mine[i]) / self.copies  # divided first, as DDP's bf16 hook
-        n = self.n  # the copy's ranks hold the same pseudo-gradient: each sends its 1/N
-        wire = torch.zeros(-(-len(pseudo_gradient) // n) * n, dtype=WIRE[self.cfg.wire_dtype], device=self.ctx.device)
-        wire[:len(pseudo_gradient)] = pseudo_gradient  # padded to N equal parts
+        n = self.n  # the copy's ranks hold the same pseudo-gradient: each sends its 1/N (zeros pad it to N equal parts)
+        wire = torch.nn.functional.pad(pseudo_gradient.to(WIRE[self.cfg.wire_dtype]), (0, -len(pseudo_gradient) % n))
         work = dist.all_reduce(wire.chunk(n)[self.ctx.rank % n], group=self.across, async_op=True)  # returns at once
         self.in_flight[i], self.started[i] = [self.step + self.cfg.overlap, work, wire], self.step
 

@@ -111,10 +111,10 @@ def worker(known, args):
 
 # --- The driver: run each row, take the difference of its records, make the table ---
 
-def run(chapter, extra, ranks, data_dir, steps=STEPS[-1]):
-    """One run of chapter at ranks with `steps` optimizer steps: every rank's records."""
+def run(chapter, extra, ranks, data_dir):
+    """One run of chapter at ranks with the last of STEPS optimizer steps: every rank's records."""
     out = Path(tempfile.mkdtemp(prefix="strategy-"))
-    args = ["--train-samples", str(steps * BATCH), "--test-samples", str(BATCH), "--batch-size", str(BATCH),
+    args = ["--train-samples", str(STEPS[-1] * BATCH), "--test-samples", str(BATCH), "--batch-size", str(BATCH),
             "--epochs", "1", "--log-every", "1000", "--momentum", "0.9", "--device", "cpu", "--output", str(out / "run"),
             *(["--data-dir", data_dir] if data_dir else []), *extra]
     alone = ranks == 1 and chapter == "single_gpu.py"

@@ -3,7 +3,7 @@
 # running ddp_launch.py. The nodes meet at a c10d rendezvous on the first node of the job.
 #
 #   sbatch scripts/job_torchrun.sh                  # from the repository root: 2 nodes x 4 GPUs, as below
-#   sbatch scripts/job_torchrun.sh --epochs 1       # anything after the script is passed on to ddp_launch.py
+#   sbatch scripts/job_torchrun.sh --epochs 1       # anything after the script is passed on to the chapter
 #   sbatch scripts/job_torchrun.sh --snapshot runs/ddp_launch/snap.pt   # requeued before the time limit, resumes
 #   sbatch scripts/job_torchrun.sh diloco.py --ranks-per-replica 4 --sync-every 30   # another torchrun chapter, first
 #   # a CPU-only cluster (how the tests submit it): one node, 2 CPU workers

@@ -302,7 +302,7 @@ MUTATIONS = [
          "        work.wait()\n")),
     bug("diloco-wire-dtype-ignored", "DiLoCo sends the pseudo-gradients in --wire-dtype (bf16: half the bytes)",
         ["tests/test_diloco.py::test_each_sync_sends_its_fragment_in_the_wire_dtype_and_waits_k_steps_later[bf16]"],
-        ("diloco.py", "dtype=WIRE[self.cfg.wire_dtype], device", "dtype=pseudo_gradient.dtype, device")),
+        ("diloco.py", "pad(pseudo_gradient.to(WIRE[self.cfg.wire_dtype]), ", "pad(pseudo_gradient, ")),
     bug("diloco-copy-sees-its-own-shuffle", "DiLoCo with --ranks-per-replica N: a copy's ranks take what one rank of "
         "a run with a rank per copy takes, so it trains that run's model",
         ["tests/test_diloco.py::test_a_machines_ranks_train_one_copy_and_resume_exactly"],
