@@ -14,9 +14,13 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 setup: $(VENV)/.installed data
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+# torchft (chapter 12) where the venv's torch can run it (2.7 or later); elsewhere ddp_ft.py says what to install.
+TORCH_2_7 = $(PY) -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 7))'
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-ft.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	! $(TORCH_2_7) || $(PY) -m pip install -q -r requirements-ft.txt || echo "note: could not install torchft; ddp_ft.py will say how"
 	touch $@
 
 # Debian's dataset-fashion-mnist package holds the real files, so no internet is needed: unpacked into ./data, where

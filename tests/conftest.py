@@ -40,9 +40,12 @@ QUICK = [
     "tests/test_tensor_parallel.py::test_tensor_parallel_trains_the_same_model[2ranks-dp1]",
     "tests/test_pipeline.py::test_the_pipeline_trains_the_same_model[2stages-1f1b]",
     "tests/test_diloco.py::test_diloco_trains_post_local_sgds_model[2]",
+    "tests/test_fault_tolerance.py::test_two_groups_train_chapter_1s_model",
+    "tests/test_fault_tolerance.py::test_the_refusals_are_one_line_each",
     # the chapters read as the lesson, and refuse what cannot work in one line
     "tests/test_chapters_read_as_the_lesson.py::test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom",
     "tests/test_chapters_read_as_the_lesson.py::test_chapters_1_and_2_mark_the_steps_they_share",
+    "tests/test_chapters_read_as_the_lesson.py::test_chapter_12_reads_as_the_lesson_top_to_bottom",
     "tests/test_chapters_read_as_the_lesson.py::test_chapter_diffs_stay_within_their_budget",
     "tests/test_rendezvous.py::test_spawned_ranks_store_listens_on_loopback_only",
     "tests/test_bad_flags.py::test_bad_flag_exits_2_with_one_line",

@@ -52,6 +52,22 @@ def test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom(script):
                      r"        destroy_process_group\(\)  # dist\.destroy_process_group\(\), .*$", source, re.M), script
 
 
+def test_chapter_12_reads_as_the_lesson_top_to_bottom():
+    """ddp_ft.py marks the same eight steps with its own calls in reading order: torchft's Manager where the others
+    start a process group (its shutdown the teardown), the sampler dealing to the replica groups, torchft's Optimizer
+    as the wrap, and in the step loop set_epoch, the quorum (zero_grad), the gradients averaged over it, the commit."""
+    source = (REPO / "ddp_ft.py").read_text()
+    assert step_markers(source) == [(1, "who am I"), (2, "device"), (3, "init"), (8, "teardown"), (4, "data"),
+                                    (5, "wrap"), (6, "epochs"), (7, "save")]
+    calls = ["# Step 1, who am I:", 'os.environ["RANK"]', "# Step 2, device:", "set_device(", "# Step 3, init:",
+             "torchft.Manager(", "finally:  # Step 8, teardown:", "manager.shutdown(", "# Step 4, data:",
+             "locate_fashion_mnist(", "DistributedSampler(", "# Step 5, wrap:", "torchft.Optimizer(",
+             "# Step 6, epochs:", "set_epoch(", "optimizer.zero_grad()", "loss.backward()",
+             "average_gradients(model, manager)", "optimizer.step()", "# Step 7, save:", "if ctx.is_main:"]
+    where = [source.find(call) for call in calls]
+    assert -1 not in where and where == sorted(where), list(zip(calls, where))
+
+
 @pytest.mark.parametrize("script", ["single_gpu.py", "dataparallel.py"])
 def test_chapters_1_and_2_mark_the_steps_they_share(script):
     source = (REPO / script).read_text()

@@ -43,6 +43,8 @@ NOT_RUN_HERE = [
                               "its DDP and FSDP2 rows at 100 Mbit/s and checks their numbers"),
     (r"timeline\.py .*--link", "needs root and network namespaces: tests/test_timeline.py runs it and checks that the "
                                "link held the all-reduces back"),
+    (r"torchft_lighthouse|ddp_ft\.py|replica-group", "a lighthouse and a job per machine, one killed and started again: "
+                                                  "tests/test_fault_tolerance.py starts them as these commands do"),
     (r"timeline\.py (fsdp|tensor_parallel|pipeline)\.py", "tests/test_timeline.py runs these (FSDP2, tensor parallel, the "
                                                           "pipeline at 2 and 3 stages) and checks each trace"),
 ]

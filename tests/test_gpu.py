@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 import textwrap
+from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from gpu_check import c_compiler  # noqa: E402
 # TEST_GPU_ON_CPU=1 runs these tests where no GPU is, on the CPU and gloo: it checks this file's own code (the twins'
 # commands and checks), not CUDA; the tests that need 2 or more GPUs still skip.
 DRY_RUN = os.environ.get("TEST_GPU_ON_CPU") == "1"
+FT = find_spec("torchft") is not None  # chapter 12's torchft (make setup installs it where torch allows)
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not DRY_RUN,
                                 reason="needs a CUDA GPU; torch sees none here")
 DEVICE, BACKEND = ("cpu", "gloo") if DRY_RUN else ("cuda:0", "nccl")
@@ -515,6 +518,29 @@ def test_two_gpus_train_chapter_1s_model(script, extra, real_data, cuda_referenc
     assert len(re.findall(r"device=cuda:[01] backend=nccl world_size=2", proc.stdout)) == 2
     difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))
     print(f"{script} on 2 GPUs vs chapter 1 on one: max |Δ| = {difference:.3e}")
+    assert difference <= SAME_MODEL
+
+
+@pytest.mark.skipif(not FT, reason="torchft is not installed here (carry its wheel for this Python to the GPU machine)")
+def test_a_torchft_group_on_nccl_trains_chapter_1s_model(real_data, cuda_reference, tmp_path):
+    """Chapter 12 on a GPU: one replica group (--replica-groups 1 --min-replicas 1) under a lighthouse, its gradients
+    averaged through torchft's ProcessGroupNCCL (a quorum of one), chapter 1's CUDA weights; --torchft-log shows
+    torchft's own lines. What one GPU cannot show (two groups, a kill, healing over NCCL) is in docs/tests.md."""
+    port = free_port()
+    lighthouse = subprocess.Popen([Path(sys.executable).parent / "torchft_lighthouse", "--min_replicas", "1",
+                                   "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"], start_new_session=True)
+    try:
+        argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "1", "ddp_ft.py", "--replica-group", "0",
+                "--replica-groups", "1", "--min-replicas", "1", "--lighthouse", f"http://127.0.0.1:{port}",
+                "--torchft-log", *SLICE, "--data-dir", real_data, "--output", tmp_path]
+        proc = run(argv)
+    finally:
+        lighthouse.kill()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Using cuda:0 device" in proc.stdout and "step 1: quorum of 1 replica group" in proc.stdout, proc.stdout
+    assert "Done! 40 steps committed, 0 retried" in proc.stdout and "Quorum" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))
+    print(f"ddp_ft.py on NCCL vs chapter 1 on the GPU: max |Δ| = {difference:.3e}")
     assert difference <= SAME_MODEL
 
 

@@ -108,7 +108,9 @@ def test_every_flag_has_a_cuda_twin():
                 default = re.findall(r"\(default (\S+?)\)", " ".join(about.split()))[-1:]  # argparse's, last
                 missing += [f"{flag} {v}" for v in values if not any(f == flag and x.split(":")[0] == v
                                                                     for f, x in passed) and [v] != default]
-        if chapter != "single_gpu.py" and not any(t.chapter == chapter and t.check == "same" for t in twins):
+        if chapter in cuda_twins.SAME_MODEL_TESTS:  # a chapter that needs more than chapter_command (a lighthouse)
+            assert cuda_twins.SAME_MODEL_TESTS[chapter] in gpu_tests, chapter
+        elif chapter != "single_gpu.py" and not any(t.chapter == chapter and t.check == "same" for t in twins):
             missing.append(f"{chapter}: a twin that trains chapter 1's model")
         if "--snapshot" in flags and not any(t.chapter == chapter and (t.check == "resume" or t.check == "refused"
                                                                        and "--snapshot" in t.flags) for t in twins):

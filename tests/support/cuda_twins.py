@@ -10,7 +10,7 @@ from support.run import TORCHRUN
 from support.same_model import SLICE
 
 TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "diloco.py", "fsdp.py", "tensor_parallel.py", "pipeline.py",
-                     "debug_hang.py")
+                     "debug_hang.py", "ddp_ft.py")
 
 
 def chapter_command(script, out, data, *extra):
@@ -55,7 +55,7 @@ class Twin:
 MODEL_FLAGS = ("--seed", "--lr", "--momentum", "--precision", "--train-samples")
 CHAPTER_NAMES = ["single_gpu.py", "dataparallel.py", "ddp_launch.py", "ddp_by_hand.py", "ddp_mp.py",
                  "ddp_tcp_manual.py", "ddp_slurm.py", "fsdp.py", "debug_hang.py", "tensor_parallel.py", "pipeline.py",
-                 "diloco.py"]
+                 "diloco.py", "ddp_ft.py"]
 MOMENTUM = ("--momentum", "0.9")  # an optimizer with state: a resumed run must load it onto the GPU too
 LEARNS = ("--lr", "0.05")  # SLICE's 2 epochs at the quickstart's 1e-3 stay near chance (10.6%): nothing to compare
 TWINS = [
@@ -118,6 +118,10 @@ TWINS = [
          "trains"),
     Twin("diloco.py", (*MOMENTUM, "--sync-every", "6", "--fragments", "3", "--overlap", "2"), "resume"),
     Twin("diloco.py", ("--precision", "fp16"), "refused", "diloco.py trains in --precision fp32 or bf16"),
+    # Chapter 12 (ddp_ft.py): a replica group on NCCL (torchft's ProcessGroupNCCL) under a lighthouse is
+    # test_gpu.py's test_a_torchft_group_on_nccl_trains_chapter_1s_model; here, what it refuses before torchft starts.
+    Twin("ddp_ft.py", ("--replica-group", "0", "--snapshot", "{tmp}/snap.pt", "--precision", "fp16"), "refused",
+         "ddp_ft.py does not take --snapshot, --precision fp16"),
     # --snapshot: a run stopped after epoch 1 and resumed is the uninterrupted one, in every chapter that takes it.
     Twin("single_gpu.py", (*MOMENTUM, "--save-every", "1"), "resume"), Twin("dataparallel.py", MOMENTUM, "resume"),
     Twin("ddp_launch.py", (*MOMENTUM, "--comm-hook", "bf16"), "resume"),
@@ -129,8 +133,12 @@ TWINS = [
     Twin("debug_hang.py", ("--bug", "early-stop", "--snapshot", "{tmp}/snap.pt"), "refused",
          "debug_hang.py's cases train in fp32, eagerly, one batch per step, without snapshots"),
 ]
+# The tests that train chapter 1's model on the GPU for a chapter that needs more than chapter_command starts.
+SAME_MODEL_TESTS = {"ddp_ft.py": "test_a_torchft_group_on_nccl_trains_chapter_1s_model"}
 # Flags every twin passes (SLICE and chapter_command's), and flags whose twins are the tests named here.
 PASSED_BY_EVERY_RUN = ("--train-samples", "--test-samples", "--batch-size", "--epochs", "--log-every", "--data-dir",
                        "--output", "--nprocs", "--init-method", "--rank", "--world-size")
 COVERED_BY = {"--device": ["test_a_snapshot_moves_between_cuda_and_the_cpu", "test_cuda_and_cpu_train_the_same_model"],
-              "--local-rank": ["test_a_rank_shown_only_its_own_gpu_trains_on_it"]}
+              "--local-rank": ["test_a_rank_shown_only_its_own_gpu_trains_on_it"],
+              **{flag: ["test_a_torchft_group_on_nccl_trains_chapter_1s_model"] for flag in (
+                  "--replica-group", "--replica-groups", "--min-replicas", "--lighthouse", "--torchft-log")}}

@@ -10,6 +10,9 @@ where they differ from the CPU's and torch lets the CPU take them, so the CPU su
 What only a GPU can show (a copy from pageable memory that blocks, NCCL) is listed in docs/tests.md. Nothing is
 imported until torch itself is: the patch runs when torch.optim.optimizer has loaded.
 
+TESTS_STEP_SECONDS=S (unset: nothing) makes every optimizer step S seconds longer, as a bigger model's would be: for a
+test that must act while a run goes on (chapter 12's restarted group must rejoin before the live one ends).
+
 And on SIGUSR2 every thread's Python stack goes to stderr: tests/support/run.py's Procs sends it to a process that overran,
 before it kills it, so a hang in CI shows where each process waited.
 """
@@ -29,6 +32,11 @@ def play_cuda_defaults(optimizer_module):
     """Make the CPU count as a foreach device for the optimizers, and autocast on the CPU default to float16."""
     import torch
 
+    if os.environ.get("TESTS_STEP_SECONDS"):
+        import time
+
+        seconds = float(os.environ["TESTS_STEP_SECONDS"])
+        optimizer_module.register_optimizer_step_post_hook(lambda *_: time.sleep(seconds))
     supported = optimizer_module._get_foreach_kernels_supported_devices
     optimizer_module._get_foreach_kernels_supported_devices = lambda: [*supported(), "cpu"]
     torch.set_autocast_dtype("cpu", torch.float16)

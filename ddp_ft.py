@@ -1,0 +1,261 @@
+"""Chapter 12: DDP that trains on when a machine dies. Each machine runs a replica group (its own torchrun job); before
+every step torchft's lighthouse forms a quorum of the groups alive, the step's gradients are averaged over them, and a
+group that (re)joins is healed from a live one (weights, optimizer state, step) instead of everyone restarting.
+Read it top to bottom: its own step loop, as torchft decides step by step which groups take part.
+
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 &       # once, on machine A: the quorum's referee
+    TORCHFT_LIGHTHOUSE=http://A:29510 torchrun --standalone --nproc-per-node 1 ddp_ft.py --replica-group 0   # on A
+    TORCHFT_LIGHTHOUSE=http://A:29510 torchrun --standalone --nproc-per-node 1 ddp_ft.py --replica-group 1   # on B
+
+Kill B and A goes on alone after one quorum without it (each group keeps its batch: the global batch shrinks); start
+B's command again and it heals from A and trains with it from the next step. torchft: github.com/meta-pytorch/torchft
+(pip install torchft==0.2.0, torch 2.7 or later). docs/fault_tolerance.md compares it with chapter 3's restarts.
+"""
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader, DistributedSampler, default_convert
+
+from common.checkpoint import prepare_output, save_weights
+from common.cli import NON_NEGATIVE, POSITIVE, REQUIRED, FatalError, UsageError, flag, parse_config, run_main
+from common.data import load_fashion_mnist, locate_fashion_mnist
+from common.engine import MetricsLog, autocast, evaluate, loss_fn, print_epoch_line, print_loss_line
+from common.model import NeuralNetwork
+from common.ranks import DistContext, check_torchrun_worker, name_rank_in_errors, print0, rank_device
+
+TORCHFT = "torchft==0.2.0"  # the release this chapter was written and tested with
+
+
+def check_ft(cfg):
+    """What this chapter cannot run with, in one line before it starts (or None)."""
+    if cfg.replica_group >= cfg.replica_groups:
+        return (f"--replica-group {cfg.replica_group} is not below --replica-groups {cfg.replica_groups}: number the "
+                f"machines' groups 0 to {cfg.replica_groups - 1}")
+    if cfg.batch_size % cfg.replica_groups:
+        return (f"--batch-size {cfg.batch_size} is the global batch and must split evenly over --replica-groups "
+                f"{cfg.replica_groups}; use a multiple of {cfg.replica_groups}")
+    unsupported = [name for name, given in (("--snapshot", cfg.snapshot), ("--accum-steps", cfg.accum_steps > 1),
+                                            ("--precision fp16", cfg.precision == "fp16"), ("--compile", cfg.compile))
+                   if given]
+    if unsupported:
+        return (f"ddp_ft.py does not take {', '.join(unsupported)}: a restarted group heals from a live one instead "
+                f"of a snapshot, and its step is torchft's (one batch, fp32 or bf16, eager)")
+
+
+FT_FLAGS = dict(
+    replica_group=flag(REQUIRED, NON_NEGATIVE, "this machine's replica group, 0 to R-1: which shard of the data it "
+                                               "trains on", check=check_ft),
+    replica_groups=flag(2, POSITIVE, "R: the most replica groups (machines); the data is dealt in R shards"),
+    min_replicas=flag(1, POSITIVE, "the fewest groups a step may commit with (1: any survivor trains on alone)"),
+    lighthouse=flag(os.environ.get("TORCHFT_LIGHTHOUSE", "http://localhost:29510"), str,
+                    "the lighthouse's address (env TORCHFT_LIGHTHOUSE)"),
+    torchft_log=flag(False, bool, "show torchft's own log lines (off: one line when the quorum changes)"))
+
+
+def import_torchft():
+    """torchft, or one line naming what to install: it needs torch 2.7 or later."""
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 7):
+        raise UsageError(f"ddp_ft.py needs torch 2.7 or later for torchft; this is torch {torch.__version__}: "
+                         f"`pip install 'torch>=2.7' {TORCHFT}`")
+    try:
+        import torchft
+    except ImportError as e:
+        raise UsageError(f"ddp_ft.py needs torchft ({e}): `pip install {TORCHFT}` (`make setup` installs it)") from None
+    return torchft
+
+
+@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+def main():
+    cfg = parse_config(description=__doc__, **FT_FLAGS)
+    os.environ.setdefault("RUST_LOG", "info" if cfg.torchft_log else "warn")  # torchft's Rust side: its lines
+    torchft = import_torchft()
+    check_torchrun_worker()  # started by torchrun: its store is where the group's Manager meets
+    # Step 1, who am I: a replica group (one per machine) and, inside it, torchrun's ranks; here one rank per group.
+    group_rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if int(os.environ["WORLD_SIZE"]) != 1:
+        raise UsageError("ddp_ft.py runs one rank per replica group (torchrun --nproc-per-node 1 on each machine): "
+                         "torchft averages across groups, not inside one; diloco.py --ranks-per-replica shows that")
+    name_rank_in_errors(group_rank, 1)
+    # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
+    device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = DistContext(rank=group_rank, local_rank=local_rank, world_size=1, device=device)  # this group's own
+    # Step 3, init: no process group of all ranks. A Manager talks to the lighthouse; before each step the lighthouse
+    # names the live groups (the quorum) and the Manager (re)builds a process group of them, gloo or NCCL.
+    logging.basicConfig(level=logging.INFO if cfg.torchft_log else logging.ERROR)  # torchft's Python side
+    timeout = timedelta(seconds=cfg.timeout)
+    pg = (torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo)(timeout=timeout)
+    transport = timed_transport(torchft, timeout)  # sends our state to a healing group (HTTP); times what it receives
+    try:
+        manager = torchft.Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_replicas,
+                                  replica_id=f"group_{cfg.replica_group}", lighthouse_addr=cfg.lighthouse,
+                                  timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                                  checkpoint_transport=transport, init_sync=False)  # seeded alike: no sync at step 0
+    except RuntimeError as e:  # the Manager's server connects to the lighthouse first, for up to --timeout
+        if "failed to connect" not in str(e):
+            raise
+        raise FatalError(f"cannot reach the lighthouse at {cfg.lighthouse} within --timeout {cfg.timeout:g}s: start "
+                         f"it first (`torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000`), and pass its "
+                         f"address as --lighthouse or TORCHFT_LIGHTHOUSE") from None
+    try:
+        train(cfg, ctx, torchft, manager, transport)  # steps 4 to 7, below
+    finally:  # Step 8, teardown: the Manager's server and threads, after an error too
+        manager.shutdown(wait=False)
+
+
+def train(cfg, ctx, torchft, manager, transport):
+    print0(ctx, cfg.describe())
+    print0(ctx, f"Using {ctx.device} device, replica group {cfg.replica_group} of at most {cfg.replica_groups}, "
+                f"lighthouse {cfg.lighthouse}")
+    output = prepare_output(cfg.output)
+
+    # Step 4, data: chapter 1's shuffle dealt to the R groups in turn; the batch of step S depends on S alone, so a
+    # group that healed to step S takes step S's batch, and a step that failed is retried with the same one.
+    locate_fashion_mnist(cfg.data_dir)
+    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
+    train_sampler = DistributedSampler(train_set, num_replicas=cfg.replica_groups, rank=cfg.replica_group,
+                                       seed=cfg.seed)
+    batch = cfg.batch_size // cfg.replica_groups
+    steps = len(train_sampler) // batch + bool(len(train_sampler) % batch)  # per epoch, as a DataLoader counts them
+    test_loader = DataLoader(test_set, batch_size=1000, collate_fn=default_convert)  # every group tests on all of it
+
+    torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
+    model = NeuralNetwork().to(ctx.device)
+    # Step 5, wrap: no DDP wrapper. torchft's Optimizer starts each step's quorum in zero_grad(), and step() steps
+    # only if every group of the quorum got through the step (should_commit), else no group takes it.
+    inner = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    optimizer = torchft.Optimizer(manager, inner)
+    # What a healing group receives from a live one: the weights and the optimizer's state (momentum); and the step.
+    manager.register_state_dict_fn("train", lambda state: load_state(model, inner, state),
+                                   lambda: {"model": model.state_dict(), "optim": inner.state_dict()})
+    print0(ctx, model)
+
+    metrics, watch = MetricsLog(output, ctx), QuorumWatch(manager, transport, cfg, ctx)
+    epoch, loss_sum, seen, start = None, torch.zeros((), device=ctx.device), 0, time.perf_counter()
+    # Step 6, epochs: torchft counts the committed steps (the Manager's step, the same in every group of a quorum);
+    # the epochs follow from it, each drawing its own shuffle from seed + epoch.
+    while (step := manager.current_step()) < cfg.epochs * steps:
+        if step // steps != epoch:
+            epoch = step // steps
+            print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
+            train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
+            order = list(train_sampler)
+            loss_sum, seen, start = torch.zeros((), device=ctx.device), 0, time.perf_counter()
+        k = step % steps
+        X, y = train_set.__getitems__(order[k * batch:(k + 1) * batch])  # this group's share of step `step`'s batch
+        optimizer.zero_grad()  # torchft: starts this step's quorum (in the background, while forward() runs)
+        watch.wait_for_every_group(step)  # step 1 waits (up to --timeout) for all --replica-groups to be there
+        with autocast(cfg, ctx.device):
+            loss = loss_fn(model(X), y)
+        loss.backward()
+        average_gradients(model, manager)  # over the quorum's groups: together, the step's whole batch
+        optimizer.step()  # steps only if the quorum committed; a healing group loads the live state first
+        if not watch.committed(step):  # a group died mid-step, or this group healed: no loss of ours to count
+            continue
+        loss_sum.add_(loss.detach(), alpha=len(y))
+        seen += len(y)
+        if k % cfg.log_every == 0:  # this group's loss
+            print_loss_line(loss.detach(), len(y), k, epoch, steps, len(train_set), cfg, ctx, metrics)
+        if k == steps - 1:  # the epoch's end: its line, then the test set (each group tests the weights it holds)
+            print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics)
+            evaluate(model, test_loader, epoch, ctx, metrics)
+            model.train()
+    print0(ctx, f"Done! {watch.summary()}")
+
+    # Step 7, save: every group holds the same weights; each saves its own copy on its machine.
+    if ctx.is_main:
+        save_weights(model, output / "model.pth")
+    print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+def load_state(model, optimizer, state):
+    """A healing group takes a live group's weights and optimizer state (torchft sets the step itself)."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+
+
+def average_gradients(model, manager):
+    """DDP's job through the Manager: each gradient averaged over the quorum's groups (a healing group sends zeros).
+    An all-reduce that fails (a group died mid-step) is noted by the Manager, and the step then commits nowhere."""
+    for work in [manager.allreduce(param.grad) for param in model.parameters()]:  # all started, then waited
+        work.wait()
+
+
+def timed_transport(torchft, timeout):
+    """torchft's HTTP checkpoint transport, which also notes when this group received a live group's state."""
+
+    class Timed(torchft.checkpointing.HTTPTransport):
+        received_seconds, received_step = 0.0, None
+
+        def recv_checkpoint(self, src_rank, metadata, step, timeout):
+            begin = time.perf_counter()
+            state = super().recv_checkpoint(src_rank, metadata, step, timeout)
+            self.received_seconds, self.received_step = time.perf_counter() - begin, step
+            return state
+
+    return Timed(timeout=timeout, num_chunks=0)
+
+
+class QuorumWatch:
+    """After each step: one line when the quorum's size changes or this group healed (where the time went); None for
+    a step that did not commit."""
+
+    def __init__(self, manager, transport, cfg, ctx):
+        self.manager, self.transport, self.cfg, self.ctx = manager, transport, cfg, ctx
+        self.started, self.waited, self.deadline = None, False, time.monotonic() + cfg.timeout
+        self.size, self.failed, self.began = None, 0, time.perf_counter()
+
+    def wait_for_every_group(self, step):
+        """At step 0, until --timeout: a quorum without all --replica-groups commits nothing (the step is retried with
+        the next quorum), so that every group trains from step 1 and a run without failures is chapter 1's."""
+        if step or self.started is not None:
+            return
+        self.manager.wait_quorum()
+        healing = self.transport.received_step is not None  # joined groups that train already: no wait (and it
+        # counts only them, not the healing group, as participants)
+        here = self.manager.num_participants()
+        if not healing and here < self.cfg.replica_groups and time.monotonic() < self.deadline:
+            if not self.waited:
+                print0(self.ctx, f"waiting up to --timeout {self.cfg.timeout:g}s for all {self.cfg.replica_groups} "
+                                 f"replica groups ({here} in the quorum)")
+            self.waited = True
+            self.manager.report_error(RuntimeError(f"waiting for {self.cfg.replica_groups} replica groups"))
+        else:
+            self.started = here
+
+    def committed(self, step):
+        """True if step `step` committed with this group's own gradients; the lines for what changed."""
+        took, self.began = time.perf_counter() - self.began, time.perf_counter()
+        healed_to, self.transport.received_step = self.transport.received_step, None
+        now = self.manager.current_step()
+        if now != (step if healed_to is None else healed_to) + 1:
+            if self.started is None:  # still waiting for every group at step 0
+                return False
+            self.failed += 1
+            print0(self.ctx, f"step {step + 1} not committed ({str(self.manager.errored()).splitlines()[0]}): retried")
+            return False
+        if healed_to is not None:  # this step healed us: the live groups' weights after their `healed_to` steps
+            print0(self.ctx, f"step {now}: healed from a live group at its step {healed_to} ({healed_to - step} steps "
+                             f"skipped here): state received in {self.transport.received_seconds:.2f}s, quorum and "
+                             f"step {took:.2f}s in all")
+            return False  # the step was the live groups' (their gradients); the quorum's size is said at the next
+        size = self.manager.num_participants()
+        if size != self.size:
+            print0(self.ctx, f"step {now}: quorum of {size} replica group{'s' * (size != 1)}"
+                             + ("" if self.size is None else f" (was {self.size})"))
+            self.size = size
+        return True
+
+    def summary(self):
+        return (f"{self.manager.current_step()} steps committed, {self.failed} retried, "
+                f"{self.manager.batches_committed()} group batches")
+
+
+if __name__ == "__main__":
+    run_main(main)

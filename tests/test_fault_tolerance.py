@@ -1,0 +1,175 @@
+"""Chapter 12, ddp_ft.py: replica groups under torchft's lighthouse, started as a user starts them (torchft_lighthouse,
+then one torchrun per group) on this machine's loopback. Two groups train chapter 1's model; a group killed with -9
+mid-epoch and started again heals from the live one, which never restarts; both end with the same weights."""
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.long_runs import Watched
+from support.ports import free_port
+from support.run import BASE_ENV, TORCHRUN, run_code, run_forked, run_script
+from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
+
+try:
+    import torchft  # noqa: F401
+    HAS_TORCHFT = True
+except ImportError:
+    HAS_TORCHFT = False
+TORCH_2_7 = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 7)
+LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"  # pip installs it beside python and torchrun
+
+# Skipped without torchft, except in CI where torch can run it: make setup must have installed it there.
+needs_torchft = pytest.mark.skipif(not HAS_TORCHFT and not (os.environ.get("CI") and TORCH_2_7),
+                                   reason="torchft is not installed (make setup installs it where torch is 2.7+)")
+# A group killed at step 21 and started again (imports, Manager, quorum: 10-25 s on 2 busy cores) must rejoin well
+# before the end: 3 epochs of 400 steps, 24 images per group, with momentum (state that healing must send, not only the
+# weights), each step made 40 ms longer (a bigger model's; alone, this one's takes 12 ms): 50 s after the kill.
+LONG_FT = ["--train-samples", "19200", "--test-samples", "1000", "--batch-size", "48", "--epochs", "3",
+           "--log-every", "20", "--momentum", "0.9"]
+SLOWER = {"TESTS_STEP_SECONDS": "0.04"}  # tests/programs/cuda_defaults/sitecustomize.py
+
+
+@pytest.fixture
+def lighthouse(procs):
+    """A lighthouse on a free loopback port, as README starts it; its address."""
+    port = free_port()
+    procs.start([str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "10000", "--bind", f"127.0.0.1:{port}"],
+                env={**BASE_ENV, "RUST_LOG": "warn"})
+    return f"http://127.0.0.1:{port}"
+
+
+def group(procs, lighthouse, number, args, env=None):
+    """One replica group: torchrun (one rank) running ddp_ft.py, read line by line."""
+    return Watched(procs, [*TORCHRUN, "--standalone", "--nproc-per-node", "1", "ddp_ft.py", "--replica-group",
+                           str(number), *args], env={**BASE_ENV, "TORCHFT_LIGHTHOUSE": lighthouse, **(env or {})})
+
+
+def finished(run):
+    code, out, err = run.finish(timeout=300)
+    assert code == 0, out + err
+    return out
+
+
+@needs_torchft
+def test_two_groups_train_chapter_1s_model(procs, lighthouse, real_data, reference, tmp_path):
+    """Both groups in the quorum from step 1 (the first step waits for them): together each step's batch is chapter
+    1's, averaged over the two, so both save chapter 1's weights and print its test accuracies."""
+    runs = [group(procs, lighthouse, g, slice_args(real_data, tmp_path / f"g{g}")) for g in (0, 1)]
+    outs = [finished(run) for run in runs]
+    for g, out in enumerate(outs):
+        assert "step 1: quorum of 2 replica groups" in out, out
+        assert out.count("quorum of") == 1, out  # one line for the quorum, none per step
+        assert "Done! 40 steps committed, 0 retried, 80 group batches" in out, out
+        assert accuracy_lines(out) == accuracy_lines(reference[1])
+        assert max_abs_diff(reference[0], load_state(tmp_path / f"g{g}" / "model.pth")) <= SAME_MODEL
+
+
+@needs_torchft
+def test_a_killed_group_heals_from_the_live_one_which_never_restarts(procs, lighthouse, real_data, tmp_path):
+    """kill -9 of group 1 (its torchrun and worker: the machine gone) at step 21: group 0 drops at most the step in
+    flight, goes on alone, then takes group 1 back once it is started again; group 1 heals (weights, momentum and
+    step) and follows the step it healed to. Both end with the same weights, within 0.5 points of chapter 1's accuracy
+    (what a run without the kill trains: test_two_groups_train_chapter_1s_model)."""
+    args = lambda g: [*LONG_FT, "--data-dir", str(real_data), "--output", str(tmp_path / f"g{g}")]  # noqa: E731
+    a, b = group(procs, lighthouse, 0, args(0), SLOWER), group(procs, lighthouse, 1, args(1), SLOWER)
+    b.wait_for("[  960/19200]", after=b.wait_for("Epoch 1"), timeout=180)  # step 21 of 1200
+    procs.kill(b.proc)  # torchrun and its worker
+    b.finish()
+    b = group(procs, lighthouse, 1, args(1), SLOWER)
+    out_a, out_b = finished(a), finished(b)
+    both = f"{out_a}\n--- group 1, started again:\n{out_b}"
+
+    assert out_a.count("Config:") == 1, both  # group 0 never restarted
+    assert re.search(r"step \d+: quorum of 1 replica group \(was 2\)", out_a), both
+    assert re.search(r"step \d+: quorum of 2 replica groups \(was 1\)", out_a), both
+    assert int(re.search(r"(\d+) retried", out_a)[1]) <= 1, both  # at most the step in flight when group 1 died
+    healed = re.search(r"step (\d+): healed from a live group at its step (\d+) \(\2 steps skipped here\): state "
+                       r"received in [\d.]+s", out_b)
+    assert healed and 21 < int(healed[2]) < 1200 and int(healed[1]) == int(healed[2]) + 1, both
+    assert "Done! 1200 steps committed" in out_a and "Done! 1200 steps committed" in out_b, both
+    assert max_abs_diff(*[load_state(tmp_path / f"g{g}" / "model.pth") for g in (0, 1)]) == 0.0
+
+    chapter_1 = run_script("single_gpu.py", *LONG_FT, "--data-dir", real_data, "--output", tmp_path / "chapter_1")
+    assert chapter_1.returncode == 0, chapter_1.stderr
+    accuracy = [float(re.findall(r"Accuracy: ([\d.]+)%", out)[-1]) for out in (out_a, out_b, chapter_1.stdout)]
+    assert accuracy[0] == accuracy[1] and abs(accuracy[0] - accuracy[2]) <= 0.5, accuracy
+
+
+ALONE = """
+import sys
+import torch
+from torch.utils.data import DistributedSampler
+from common.cli import Config
+from common.data import load_fashion_mnist
+from common.engine import loss_fn
+from common.model import NeuralNetwork
+
+cfg = Config(data_dir=sys.argv[1], train_samples=960, test_samples=500)
+train_set, _, _ = load_fashion_mnist(cfg, torch.device("cpu"))
+sampler = DistributedSampler(train_set, num_replicas=2, rank=0, seed=0)
+torch.manual_seed(0)
+model = NeuralNetwork()
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+for epoch in range(2):
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    for k in range(20):
+        X, y = train_set.__getitems__(order[k * 24:(k + 1) * 24])
+        loss_fn(model(X), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+torch.save(model.state_dict(), sys.argv[2])
+"""
+
+
+@needs_torchft
+def test_a_group_alone_steps_with_its_own_batch(procs, lighthouse, real_data, tmp_path):
+    """Group 0 of 2 started alone: after --timeout it trains without group 1, each step the mean gradient of its own
+    24 images (the global batch shrinks to them; no absent group's share counted): SGD on its shard, step by step."""
+    out = finished(group(procs, lighthouse, 0, [*slice_args(real_data, tmp_path / "g0"), "--timeout", "3"]))
+    assert "waiting up to --timeout 3s for all 2 replica groups (1 in the quorum)" in out, out
+    assert "step 1: quorum of 1 replica group" in out and "Done! 40 steps committed, 0 retried, 40 group batches" in out
+    run_code(ALONE, real_data, tmp_path / "by_hand.pth")
+    assert max_abs_diff(load_state(tmp_path / "by_hand.pth"), load_state(tmp_path / "g0" / "model.pth")) <= SAME_MODEL
+
+
+@needs_torchft
+def test_an_unreachable_lighthouse_is_one_line_within_the_timeout(procs, fake_data, tmp_path):
+    port = free_port()
+    run = group(procs, f"http://127.0.0.1:{port}", 0, ["--data-dir", str(fake_data), "--output", str(tmp_path),
+                                                       "--timeout", "3"])
+    begin = time.monotonic()
+    code, out, err = run.finish(timeout=120)
+    assert code != 0 and time.monotonic() - begin < 60
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: cannot reach the lighthouse at http://127.0.0.1:{port} within --timeout 3s: start it "
+                      f"first (`torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000`), and pass its address as "
+                      f"--lighthouse or TORCHFT_LIGHTHOUSE"], err
+
+
+def test_the_refusals_are_one_line_each(fake_data):
+    """Before torchft or any network: flags the chapter cannot run with; a torch too old for torchft (the floor's
+    2.6), or torchft missing, names what to install."""
+    base = ["--data-dir", str(fake_data), "--epochs", "1"]
+    cases = [(["--replica-group", "2"], "--replica-group 2 is not below --replica-groups 2"),
+             (["--replica-group", "0", "--batch-size", "63", "--replica-groups", "2"],
+              "--batch-size 63 is the global batch and must split evenly over --replica-groups 2"),
+             (["--replica-group", "0", "--snapshot", "x.pt"], "ddp_ft.py does not take --snapshot"),
+             (["--replica-group", "0", "--precision", "fp16", "--compile"],
+              "ddp_ft.py does not take --precision fp16, --compile")]
+    results = run_forked([("ddp_ft.py", [*base, *flags], {}) for flags, _ in cases])
+    for (flags, words), result in zip(cases, results):
+        assert result.returncode == 2 and words in result.stderr, (flags, result.stderr)
+    if not TORCH_2_7:
+        missing = f"ddp_ft.py needs torch 2.7 or later for torchft; this is torch {torch.__version__}"
+    elif not HAS_TORCHFT:
+        missing = "ddp_ft.py needs torchft (No module named 'torchft'): `pip install torchft==0.2.0`"
+    else:
+        return
+    [result] = run_forked([("ddp_ft.py", [*base, "--replica-group", "0"], {})])
+    assert result.returncode == 2 and missing in result.stderr, result.stderr
