@@ -87,7 +87,9 @@ def main():
     ctx = DistContext(rank=group_rank, local_rank=local_rank, world_size=1, device=device)  # this group's own
     # Step 3, init: no process group of all ranks. A Manager talks to the lighthouse; before each step the lighthouse
     # names the live groups (the quorum) and the Manager (re)builds a process group of them, gloo or NCCL.
-    logging.basicConfig(level=logging.INFO if cfg.torchft_log else logging.ERROR)  # torchft's Python side
+    logging.basicConfig()  # torchft's Python side: its lines with --torchft-log, else none (a failed step is one line
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):  # of ours, with its error's)
+        logging.getLogger(name).setLevel(logging.INFO if cfg.torchft_log else logging.CRITICAL)
     timeout = timedelta(seconds=cfg.timeout)
     pg = (torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo)(timeout=timeout)
     transport = timed_transport(torchft, timeout)  # sends our state to a healing group (HTTP); times what it receives
