@@ -15,7 +15,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: $(VENV)/.installed data
 
 # torchft (chapter 12) where the venv's torch can run it (2.7 or later); elsewhere ddp_ft.py says what to install.
-TORCH_2_7 = $(PY) -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 7))'
+TORCH_2_7 = $(PY) -c 'import sys, torch; sys.exit(torch.torch_version.TorchVersion(torch.__version__) < (2, 7))'
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-ft.txt
 	$(PYTHON) -m venv $(VENV)

@@ -12,12 +12,14 @@ B's command again and it heals from A and trains with it from the next step. tor
 (pip install torchft==0.2.0, torch 2.7 or later). docs/fault_tolerance.md compares it with chapter 3's restarts.
 """
 import logging
+import math
 import os
 import time
 from datetime import timedelta
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common.checkpoint import prepare_output, save_weights
@@ -58,7 +60,7 @@ FT_FLAGS = dict(
 
 def import_torchft():
     """torchft, or one line naming what to install: it needs torch 2.7 or later."""
-    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 7):
+    if TorchVersion(torch.__version__) < (2, 7):
         raise UsageError(f"ddp_ft.py needs torch 2.7 or later for torchft; this is torch {torch.__version__}: "
                          f"`pip install 'torch>=2.7' {TORCHFT}`")
     try:
@@ -124,7 +126,7 @@ def train(cfg, ctx, torchft, manager, transport):
     train_sampler = DistributedSampler(train_set, num_replicas=cfg.replica_groups, rank=cfg.replica_group,
                                        seed=cfg.seed)
     batch = cfg.batch_size // cfg.replica_groups
-    steps = len(train_sampler) // batch + bool(len(train_sampler) % batch)  # per epoch, as a DataLoader counts them
+    steps = math.ceil(len(train_sampler) / batch)  # per epoch, as a DataLoader counts them
     test_loader = DataLoader(test_set, batch_size=1000, collate_fn=default_convert)  # every group tests on all of it
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
@@ -139,7 +141,7 @@ def train(cfg, ctx, torchft, manager, transport):
     print0(ctx, model)
 
     metrics, watch = MetricsLog(output, ctx), QuorumWatch(manager, transport, cfg, ctx)
-    epoch, loss_sum, seen, start = None, torch.zeros((), device=ctx.device), 0, time.perf_counter()
+    epoch = None
     # Step 6, epochs: torchft counts the committed steps (the Manager's step, the same in every group of a quorum);
     # the epochs follow from it, each drawing its own shuffle from seed + epoch.
     while (step := manager.current_step()) < cfg.epochs * steps:
@@ -210,13 +212,13 @@ class QuorumWatch:
 
     def __init__(self, manager, transport, cfg, ctx):
         self.manager, self.transport, self.cfg, self.ctx = manager, transport, cfg, ctx
-        self.started, self.waited, self.deadline = None, False, time.monotonic() + cfg.timeout
+        self.gathered, self.waited, self.deadline = False, False, time.monotonic() + cfg.timeout
         self.size, self.failed, self.began = None, 0, time.perf_counter()
 
     def wait_for_every_group(self, step):
         """At step 0, until --timeout: a quorum without all --replica-groups commits nothing (the step is retried with
         the next quorum), so that every group trains from step 1 and a run without failures is chapter 1's."""
-        if step or self.started is not None:
+        if step or self.gathered:
             return
         self.manager.wait_quorum()
         healing = self.transport.received_step is not None  # joined groups that train already: no wait (and it
@@ -229,7 +231,7 @@ class QuorumWatch:
             self.waited = True
             self.manager.report_error(RuntimeError(f"waiting for {self.cfg.replica_groups} replica groups"))
         else:
-            self.started = here
+            self.gathered = True
 
     def committed(self, step):
         """True if step `step` committed with this group's own gradients; the lines for what changed."""
@@ -237,7 +239,7 @@ class QuorumWatch:
         healed_to, self.transport.received_step = self.transport.received_step, None
         now = self.manager.current_step()
         if now != (step if healed_to is None else healed_to) + 1:
-            if self.started is None:  # still waiting for every group at step 0
+            if not self.gathered:  # still waiting for every group at step 0
                 return False
             self.failed += 1
             print0(self.ctx, f"step {step + 1} not committed ({str(self.manager.errored()).splitlines()[0]}): retried")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 from support.long_runs import Watched
 from support.ports import free_port
@@ -20,7 +21,7 @@ try:
     HAS_TORCHFT = True
 except ImportError:
     HAS_TORCHFT = False
-TORCH_2_7 = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 7)
+TORCH_2_7 = TorchVersion(torch.__version__) >= (2, 7)
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"  # pip installs it beside python and torchrun
 
 # Skipped without torchft, except in CI where torch can run it: make setup must have installed it there.
