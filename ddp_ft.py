@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -23,7 +24,8 @@ from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common.checkpoint import prepare_output, save_weights
-from common.cli import NON_NEGATIVE, POSITIVE, REQUIRED, FatalError, UsageError, flag, parse_config, run_main
+from common.cli import (NON_NEGATIVE, POSITIVE, REQUIRED, FatalError, UsageError, explain, flag, parse_config,
+                        run_main)
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, autocast, evaluate, loss_fn, print_epoch_line, print_loss_line
 from common.model import NeuralNetwork
@@ -108,6 +110,12 @@ def main():
                          f"address as --lighthouse or TORCHFT_LIGHTHOUSE") from None
     try:
         train(cfg, ctx, torchft, manager, transport)  # steps 4 to 7, below
+    except TimeoutError as e:  # no quorum within --timeout: this machine lost the lighthouse (a cut link, or it died)
+        if not any(frame.name == "_async_quorum" for frame in traceback.extract_tb(e.__traceback__)):
+            raise
+        raise FatalError(f"no quorum from the lighthouse at {cfg.lighthouse} within --timeout {cfg.timeout:g}s: this "
+                         f"machine cannot reach it (the network, or the lighthouse died); once it can, start this "
+                         f"group again and it heals from a live one") from None
     finally:  # Step 8, teardown: the Manager's server and threads, after an error too
         manager.shutdown(wait=False)
 
@@ -242,7 +250,9 @@ class QuorumWatch:
             if not self.gathered:  # still waiting for every group at step 0
                 return False
             self.failed += 1
-            print0(self.ctx, f"step {step + 1} not committed ({str(self.manager.errored()).splitlines()[0]}): retried")
+            error = self.manager.errored().original_exception
+            reason = explain(error) or str(error).splitlines()[0]  # torch's words for a lost peer, explained
+            print0(self.ctx, f"step {step + 1} not committed ({reason}): retried")
             return False
         if healed_to is not None:  # this step healed us: the live groups' weights after their `healed_to` steps
             print0(self.ctx, f"step {now}: healed from a live group at its step {healed_to} ({healed_to - step} steps "
