@@ -1,66 +1,32 @@
 """Chapter 12, ddp_ft.py: replica groups under torchft's lighthouse, started as a user starts them (torchft_lighthouse,
 then one torchrun per group) on this machine's loopback. Two groups train chapter 1's model; a group killed with -9
 mid-epoch and started again heals from the live one, which never restarts; both end with the same weights."""
-import os
 import re
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from torch.torch_version import TorchVersion
 
-from support.long_runs import Watched
+from support.fault_tolerance import (HAS_TORCHFT, LONG_FT, SLOWER, STEP_21, TORCH_2_7, finished,
+                                     lighthouse_command, needs_torchft, start_group)
 from support.ports import free_port
-from support.run import BASE_ENV, TORCHRUN, run_code, run_forked, run_script
+from support.run import BASE_ENV, run_code, run_forked, run_script
 from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
-
-try:
-    import torchft  # noqa: F401
-    HAS_TORCHFT = True
-except ImportError:
-    HAS_TORCHFT = False
-TORCH_2_7 = TorchVersion(torch.__version__) >= (2, 7)
-LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"  # pip installs it beside python and torchrun
-
-# Skipped without torchft, except in CI where torch can run it: make setup must have installed it there.
-needs_torchft = pytest.mark.skipif(not HAS_TORCHFT and not (os.environ.get("CI") and TORCH_2_7),
-                                   reason="torchft is not installed (make setup installs it where torch is 2.7+)")
-# A group killed at step 21 and started again (imports, Manager, quorum: 10-25 s on 2 busy cores) must rejoin well
-# before the end: 3 epochs of 400 steps, 24 images per group, with momentum (state that healing must send, not only the
-# weights), each step made 40 ms longer (a bigger model's; alone, this one's takes 12 ms): 50 s after the kill.
-LONG_FT = ["--train-samples", "19200", "--test-samples", "1000", "--batch-size", "48", "--epochs", "3",
-           "--log-every", "20", "--momentum", "0.9"]
-SLOWER = {"TESTS_STEP_SECONDS": "0.04"}  # tests/programs/cuda_defaults/sitecustomize.py
 
 
 @pytest.fixture
 def lighthouse(procs):
     """A lighthouse on a free loopback port, as README starts it; its address."""
     port = free_port()
-    procs.start([str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "10000", "--bind", f"127.0.0.1:{port}"],
-                env={**BASE_ENV, "RUST_LOG": "warn"})
+    procs.start(lighthouse_command(f"127.0.0.1:{port}"), env={**BASE_ENV, "RUST_LOG": "warn"})
     return f"http://127.0.0.1:{port}"
-
-
-def group(procs, lighthouse, number, args, env=None):
-    """One replica group: torchrun (one rank) running ddp_ft.py, read line by line."""
-    return Watched(procs, [*TORCHRUN, "--standalone", "--nproc-per-node", "1", "ddp_ft.py", "--replica-group",
-                           str(number), *args], env={**BASE_ENV, "TORCHFT_LIGHTHOUSE": lighthouse, **(env or {})})
-
-
-def finished(run):
-    code, out, err = run.finish(timeout=300)
-    assert code == 0, out + err
-    return out
 
 
 @needs_torchft
 def test_two_groups_train_chapter_1s_model(procs, lighthouse, real_data, reference, tmp_path):
     """Both groups in the quorum from step 1 (the first step waits for them): together each step's batch is chapter
     1's, averaged over the two, so both save chapter 1's weights and print its test accuracies."""
-    runs = [group(procs, lighthouse, g, slice_args(real_data, tmp_path / f"g{g}")) for g in (0, 1)]
+    runs = [start_group(procs, lighthouse, g, slice_args(real_data, tmp_path / f"g{g}")) for g in (0, 1)]
     outs = [finished(run) for run in runs]
     for g, out in enumerate(outs):
         assert "step 1: quorum of 2 replica groups" in out, out
@@ -77,11 +43,11 @@ def test_a_killed_group_heals_from_the_live_one_which_never_restarts(procs, ligh
     step) and follows the step it healed to. Both end with the same weights, within 0.5 points of chapter 1's accuracy
     (what a run without the kill trains: test_two_groups_train_chapter_1s_model)."""
     args = lambda g: [*LONG_FT, "--data-dir", str(real_data), "--output", str(tmp_path / f"g{g}")]  # noqa: E731
-    a, b = group(procs, lighthouse, 0, args(0), SLOWER), group(procs, lighthouse, 1, args(1), SLOWER)
-    b.wait_for("[  960/19200]", after=b.wait_for("Epoch 1"), timeout=180)  # step 21 of 1200
+    a, b = start_group(procs, lighthouse, 0, args(0), SLOWER), start_group(procs, lighthouse, 1, args(1), SLOWER)
+    b.wait_for(STEP_21, after=b.wait_for("Epoch 1"), timeout=180)  # step 21 of 1200
     procs.kill(b.proc)  # torchrun and its worker
     b.finish()
-    b = group(procs, lighthouse, 1, args(1), SLOWER)
+    b = start_group(procs, lighthouse, 1, args(1), SLOWER)
     out_a, out_b = finished(a), finished(b)
     both = f"{out_a}\n--- group 1, started again:\n{out_b}"
 
@@ -132,7 +98,7 @@ torch.save(model.state_dict(), sys.argv[2])
 def test_a_group_alone_steps_with_its_own_batch(procs, lighthouse, real_data, tmp_path):
     """Group 0 of 2 started alone: after --timeout it trains without group 1, each step the mean gradient of its own
     24 images (the global batch shrinks to them; no absent group's share counted): SGD on its shard, step by step."""
-    out = finished(group(procs, lighthouse, 0, [*slice_args(real_data, tmp_path / "g0"), "--timeout", "3"]))
+    out = finished(start_group(procs, lighthouse, 0, [*slice_args(real_data, tmp_path / "g0"), "--timeout", "3"]))
     assert "waiting up to --timeout 3s for all 2 replica groups (1 in the quorum)" in out, out
     assert "step 1: quorum of 1 replica group" in out and "Done! 40 steps committed, 0 retried, 40 group batches" in out
     run_code(ALONE, real_data, tmp_path / "by_hand.pth")
@@ -142,8 +108,8 @@ def test_a_group_alone_steps_with_its_own_batch(procs, lighthouse, real_data, tm
 @needs_torchft
 def test_an_unreachable_lighthouse_is_one_line_within_the_timeout(procs, fake_data, tmp_path):
     port = free_port()
-    run = group(procs, f"http://127.0.0.1:{port}", 0, ["--data-dir", str(fake_data), "--output", str(tmp_path),
-                                                       "--timeout", "3"])
+    run = start_group(procs, f"http://127.0.0.1:{port}", 0,
+                      ["--data-dir", str(fake_data), "--output", str(tmp_path), "--timeout", "3"])
     begin = time.monotonic()
     code, out, err = run.finish(timeout=120)
     assert code != 0 and time.monotonic() - begin < 60

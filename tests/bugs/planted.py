@@ -329,6 +329,17 @@ MUTATIONS = [
     bug("ft-quorum-line-never-printed", "ddp_ft.py: one line when the quorum's size changes",
         ["tests/test_fault_tolerance.py::test_two_groups_train_chapter_1s_model"],
         ("ddp_ft.py", "        if size != self.size:\n", "        if False:\n")),
+    bug("ft-cut-off-group-ends-in-a-traceback", "ddp_ft.py: a group that gets no quorum within --timeout (its "
+        "machine cut off from the lighthouse) ends in one line naming it",
+        ["tests/test_fault_tolerance_across_machines.py::"
+         "test_a_cut_longer_than_the_timeout_ends_the_cut_off_group_in_one_line"],
+        ("ddp_ft.py", 'if not any(frame.name == "_async_quorum" for frame', 'if any(frame.name == "_async_quorum" for frame')),
+    bug("ft-heal-time-not-the-transfer", "ddp_ft.py: the healed line says how long the live group's state took to "
+        "arrive", ["tests/test_fault_tolerance_across_machines.py::"
+                   "test_a_killed_machine_heals_from_the_other_over_the_link[10mbit]"],
+        ("ddp_ft.py", "            begin = time.perf_counter()\n            state = super().recv_checkpoint(src_rank, "
+         "metadata, step, timeout)\n", "            state = super().recv_checkpoint(src_rank, metadata, step, "
+         "timeout)\n            begin = time.perf_counter()\n")),
     bug("diloco-evaluates-own-weights", "DiLoCo evaluates the shared weights of the last outer step",
         ["tests/test_diloco.py::test_the_epoch_is_evaluated_on_the_shared_weights"],
         ("diloco.py", "        evaluate(diloco.shared_model(), test_loader, epoch, ctx, metrics)",
