@@ -75,6 +75,11 @@ def import_torchft():
 @record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
 def main():
     cfg = parse_config(description=__doc__, **FT_FLAGS)
+    restarts, agent_store = (os.environ.get(k) for k in ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"))
+    if restarts not in (None, "0") or agent_store == "False":  # torchrun's environment for its worker
+        raise UsageError("ddp_ft.py runs without torchrun's --max-restarts and TORCH_DISABLE_SHARE_RDZV_TCP_STORE: its "
+                         "Manager meets in torchrun's own store, which nobody else would host; start a group that "
+                         "died again, and it heals from a live one")
     os.environ.setdefault("RUST_LOG", "info" if cfg.torchft_log else "warn")  # torchft's Rust side: its lines
     torchft = import_torchft()
     check_torchrun_worker()  # started by torchrun: its store is where the group's Manager meets

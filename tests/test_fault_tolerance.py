@@ -129,7 +129,10 @@ def test_the_refusals_are_one_line_each(fake_data):
              (["--replica-group", "0", "--snapshot", "x.pt"], "ddp_ft.py does not take --snapshot"),
              (["--replica-group", "0", "--precision", "fp16", "--compile"],
               "ddp_ft.py does not take --precision fp16, --compile")]
-    results = run_forked([("ddp_ft.py", [*base, *flags], {}) for flags, _ in cases])
+    restarts = "ddp_ft.py runs without torchrun's --max-restarts and TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    envs = [{}] * len(cases) + [{"TORCHELASTIC_MAX_RESTARTS": "3"}, {"TORCHELASTIC_USE_AGENT_STORE": "False"}]
+    cases += [(["--replica-group", "0"], restarts)] * 2  # torchrun's environment for each (the Manager would wait)
+    results = run_forked([("ddp_ft.py", [*base, *flags], env) for (flags, _), env in zip(cases, envs)])
     for (flags, words), result in zip(cases, results):
         assert result.returncode == 2 and words in result.stderr, (flags, result.stderr)
     if not TORCH_2_7:

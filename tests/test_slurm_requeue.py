@@ -12,6 +12,7 @@ import pytest
 
 from scripts.plot_curves import read_metrics
 from measure.netns import IFNAME, TwoMachines, why_not
+from support.fault_tolerance import needs_torchft
 from support.same_model import SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
 from support.slurm_jobs import CPU_JOB, CPU_TORCHRUN_JOB, submit
 
@@ -130,3 +131,20 @@ def test_two_node_job_trains_the_same_model(two_nodes, real_data, reference, tmp
     print(f"{script} on two nodes vs chapter 1: max |difference| = {diff:g}")
     assert diff <= SAME_MODEL
     assert accuracy_lines(log) == accuracy_lines(reference[1]) and log.count("Done!") == 1 and "Traceback" not in log
+
+
+@needs_torchft
+def test_a_torchft_job_runs_its_lighthouse_and_a_replica_group_per_node(two_nodes, real_data, reference, tmp_path):
+    """scripts/job_ft.sh on two nodes: the lighthouse as a step of its own on nodea, a group on each node; both groups
+    in the quorum from step 1 train chapter 1's model, and the job ends (the lighthouse too) once they are done."""
+    opts = ["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=0"]
+    job_id, rc, log_path = submit(two_nodes, "job_ft.sh", opts, slice_args(real_data, tmp_path / "run"), tmp_path,
+                                  {"GLOO_SOCKET_IFNAME": IFNAME})
+    log = log_path.read_text()
+    state = two_nodes.job_state(job_id)
+    assert rc == 0 and state["state"] == "COMPLETED" and state["fields"]["NodeList"] == "nodea,nodeb", log
+    assert sorted(re.findall(r"replica group (\d) of at most 2, lighthouse http://nodea:\d+", log)) == ["0", "1"], log
+    assert log.count("step 1: quorum of 2 replica groups") == 2, log
+    assert log.count("Done! 40 steps committed, 0 retried, 80 group batches") == 2 and "Traceback" not in log, log
+    assert sorted(accuracy_lines(log)) == sorted(accuracy_lines(reference[1]) * 2), log
+    assert max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth")) <= SAME_MODEL
