@@ -242,6 +242,9 @@ class QuorumWatch:
                 print0(self.ctx, f"waiting up to --timeout {self.cfg.timeout:g}s for all {self.cfg.replica_groups} "
                                  f"replica groups ({here} in the quorum)")
             self.waited = True
+            # Each try re-forms the quorum, and torchft builds a new process group for it: twice a second, not as
+            # fast as the loop spins (60 a second opened as many connections to torchrun's store, which then stalled)
+            time.sleep(0.5)
             self.manager.report_error(RuntimeError(f"waiting for {self.cfg.replica_groups} replica groups"))
         else:
             self.gathered = True
