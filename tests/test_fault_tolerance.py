@@ -100,7 +100,8 @@ def test_a_group_alone_steps_with_its_own_batch(procs, lighthouse, real_data, tm
     24 images (the global batch shrinks to them; no absent group's share counted): SGD on its shard, step by step."""
     out = finished(start_group(procs, lighthouse, 0, [*slice_args(real_data, tmp_path / "g0"), "--timeout", "3"]))
     assert "waiting up to --timeout 3s for all 2 replica groups (1 in the quorum)" in out, out
-    assert "step 1: quorum of 1 replica group" in out and "Done! 40 steps committed, 0 retried, 40 group batches" in out, out
+    assert ("step 1: quorum of 1 replica group" in out
+            and "Done! 40 steps committed, 0 retried, 40 group batches" in out), out
     run_code(ALONE, real_data, tmp_path / "by_hand.pth")
     assert max_abs_diff(load_state(tmp_path / "by_hand.pth"), load_state(tmp_path / "g0" / "model.pth")) <= SAME_MODEL
 
