@@ -97,11 +97,16 @@ def check_torchrun_worker():
                          "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
 
 
+def ephemeral_low():
+    """The first port of the OS's ephemeral range, from which bind(0) and every outgoing connection take theirs."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; 32768 is below macOS's 49152 too
+    return int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+
+
 def free_port(host="127.0.0.1", candidates=None):
     """A port free now, for a command told its port before it binds it (tcp://HOST:PORT, --rdzv-endpoint): from
     below the OS's ephemeral range (bind(0)'s pick), whose ports any outgoing connection may take in between."""
-    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; 32768 is below macOS's 49152 too
-    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    low = ephemeral_low()
     start = random.randrange(10000, low)
     for port in candidates or [*range(start, low), *range(10000, start)]:
         with socket.socket() as s, contextlib.suppress(OSError):

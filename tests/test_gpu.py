@@ -23,6 +23,7 @@ from dataparallel import DataParallel
 from pipeline import pipelining_missing
 from support import REPO
 from support.cuda_twins import TORCHRUN_CHAPTERS, TWINS, chapter_command
+from support.fault_tolerance import LIGHTHOUSE
 from support.launchers import SLURM_ENV
 from support.ports import free_port
 from support.run import BASE_ENV, Runs, TORCHRUN, one_error_line, run_script
@@ -527,7 +528,7 @@ def test_a_torchft_group_on_nccl_trains_chapter_1s_model(real_data, cuda_referen
     averaged through torchft's ProcessGroupNCCL (a quorum of one), chapter 1's CUDA weights; --torchft-log shows
     torchft's own lines. What one GPU cannot show (two groups, a kill, healing over NCCL) is in docs/tests.md."""
     port = free_port()
-    lighthouse = subprocess.Popen([Path(sys.executable).parent / "torchft_lighthouse", "--min_replicas", "1",
+    lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1",
                                    "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"], start_new_session=True)
     try:
         argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "1", "ddp_ft.py", "--replica-group", "0",

@@ -11,7 +11,7 @@ import pytest
 
 from support import REPO
 from support.launchers import stale_rendezvous_file
-from support.ports import free_port
+from support.ports import block, free_port
 from support.run import BASE_ENV, CUDA_DEFAULTS, one_error_line
 from support.same_model import slice_args
 
@@ -54,6 +54,17 @@ def test_busy_port_is_named(procs):
     assert code == 1 and "Traceback" in err, err
     assert err.strip().splitlines()[-1].startswith("error: [rank 0] ") and f"port: {port}," in err, err
     assert "EADDRINUSE, message: address already in use" in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize("workers", [1, 2, 12, 16, 64])
+def test_the_suites_ports_lie_below_the_ephemeral_range_for_any_worker_count(workers):
+    """Each xdist worker's block of ports lies below the first ephemeral port, where any outgoing connection may take
+    one between its choice and its bind, and no two blocks share a port. With a block of 2000 for every count, 16
+    workers on a GPU machine gave gw13 port 36008, and a connection took it first (EADDRINUSE)."""
+    for low in (32768, 49152):  # Linux's first ephemeral port, macOS's
+        blocks = [block(worker, workers, low) for worker in range(workers)]
+        assert all(len(b) >= 300 and b.start >= 10000 and b.stop <= low for b in blocks), (low, blocks)
+        assert len(set().union(*map(set, blocks))) == sum(map(len, blocks))
 
 
 # Imported by every process this test starts: in mp.spawn's workers (spawn_main's command line), take the rendezvous
