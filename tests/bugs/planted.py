@@ -326,6 +326,9 @@ MUTATIONS = [
         ["tests/test_fault_tolerance.py::test_a_group_alone_steps_with_its_own_batch"],
         ("ddp_ft.py", "[manager.allreduce(param.grad) for param", "[manager.allreduce(param.grad.div_(2), "
          "reduce_op=torch.distributed.ReduceOp.SUM) for param")),
+    bug("ft-wait-spins", "ddp_ft.py: a group waiting for all groups asks the lighthouse twice a second, not 60 times",
+        ["tests/test_fault_tolerance.py::test_a_group_alone_steps_with_its_own_batch"],
+        ("ddp_ft.py", "            time.sleep(0.5)\n", "")),
     bug("ft-quorum-line-never-printed", "ddp_ft.py: one line when the quorum's size changes",
         ["tests/test_fault_tolerance.py::test_two_groups_train_chapter_1s_model"],
         ("ddp_ft.py", "        if size != self.size:\n", "        if False:\n")),
