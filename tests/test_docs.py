@@ -41,6 +41,9 @@ NOT_RUN_HERE = [
     (r"benchmark\.py --before", "needs a second checkout beside this one (a git worktree of main)"),
     (r"measure/scaling\.py", "needs root and network namespaces, and the sweep takes minutes: tests/test_scaling.py runs "
                               "its DDP and FSDP2 rows at 100 Mbit/s and checks their numbers"),
+    (r"measure/restart_or_heal\.py", "needs root, network namespaces and torchft, and takes 12 minutes: "
+                                     "tests/test_fault_tolerance_across_machines.py checks docs/multinode.md's table "
+                                     "against its runs' JSON; test_multinode.py and that file run each way's kill"),
     (r"timeline\.py .*--link", "needs root and network namespaces: tests/test_timeline.py runs it and checks that the "
                                "link held the all-reduces back"),
     (r"torchft_lighthouse|ddp_ft\.py|replica-group", "a lighthouse and a job per machine, one killed and started again: "

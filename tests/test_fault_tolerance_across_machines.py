@@ -3,12 +3,16 @@ and replica group 0 on nodea, group 1 on nodeb, each started as README starts th
 cable pulled for 30 s: group 0 goes on alone and never restarts; group 1 heals from it across the link once it is
 back (started again, or still waiting within its --timeout), or ends in one line when its --timeout is shorter than
 the cut."""
+import json
 import re
+import subprocess
+import sys
 import time
 
 import pytest
 
 from measure.netns import NODES, tc_bits
+from support import REPO
 from support.fault_tolerance import LONG_FT, SLOWER, STEP_21, finished, lighthouse_command, needs_torchft, start_group
 from support.run import BASE_ENV
 from support.same_model import load_state, max_abs_diff
@@ -117,3 +121,19 @@ def test_a_cut_longer_than_the_timeout_ends_the_cut_off_group_in_one_line(two_ma
     assert ended_after <= 2 * 8 + 8, ended_after
     assert re.search(r"step \d+: quorum of 1 replica group \(was 2\)", out_a), out_a
     assert "Done! 1200 steps committed" in out_a and "Done!" not in out_b, out_a
+
+
+def test_the_docs_table_of_a_restart_against_a_heal_is_what_its_runs_measured():
+    """docs/multinode.md's table, nodeb's trainer killed mid-run under chapter 3's elastic restart and under chapter
+    12's healing (3 of each), is measure/restart_or_heal.py's table of docs/restart_or_heal.json; and those runs kept
+    each way's promise: the restarted job did epoch 2's steps before the kill again and ended as if left alone (the
+    same test accuracy); the healed one did at most the step in flight again and trained some steps with one
+    machine."""
+    runs = json.loads((REPO / "docs" / "restart_or_heal.json").read_text())["runs"]
+    three, twelve = ([r for r in runs if r["way"].startswith(f"chapter {n}:")] for n in (3, 12))
+    assert len(three) == len(twelve) == 3, runs
+    assert all(r["killed"]["accuracy"] == r["alone"]["accuracy"] and r["killed"]["steps_again"] >= 400 for r in three)
+    assert all(r["killed"]["steps_again"] <= 1 and r["killed"]["one_group_steps"] > 0 for r in twelve), twelve
+    table = subprocess.run([sys.executable, "measure/restart_or_heal.py", "--from-json", "docs/restart_or_heal.json"],
+                           cwd=REPO, env=BASE_ENV, capture_output=True, text=True)
+    assert table.returncode == 0 and table.stdout.strip() in (REPO / "docs" / "multinode.md").read_text(), table

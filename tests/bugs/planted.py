@@ -329,6 +329,10 @@ MUTATIONS = [
     bug("ft-wait-spins", "ddp_ft.py: a group waiting for all groups asks the lighthouse twice a second, not 60 times",
         ["tests/test_fault_tolerance.py::test_a_group_alone_steps_with_its_own_batch"],
         ("ddp_ft.py", "            time.sleep(0.5)\n", "")),
+    bug("restart-or-heal-table-not-its-runs", "docs/multinode.md: a restart against a heal, the table of its runs",
+        ["tests/test_fault_tolerance_across_machines.py::"
+         "test_the_docs_table_of_a_restart_against_a_heal_is_what_its_runs_measured"],
+        ("measure/restart_or_heal.py", "| {column(killed, 'wall', '.1f')} ", "| {column(alone, 'wall', '.1f')} ")),
     bug("ft-quorum-line-never-printed", "ddp_ft.py: one line when the quorum's size changes",
         ["tests/test_fault_tolerance.py::test_two_groups_train_chapter_1s_model"],
         ("ddp_ft.py", "        if size != self.size:\n", "        if False:\n")),
