@@ -14,6 +14,7 @@ B's command again and it heals from A and trains with it from the next step. tor
 import logging
 import math
 import os
+import re
 import time
 import traceback
 from datetime import timedelta
@@ -32,6 +33,9 @@ from common.model import NeuralNetwork
 from common.ranks import DistContext, check_torchrun_worker, name_rank_in_errors, print0, rank_device
 
 TORCHFT = "torchft==0.2.0"  # the release this chapter was written and tested with
+# torch's words when the quorum's store (torchrun's, on the group that leads the quorum) does not answer in time: the
+# step is retried with the next quorum, so chapter 3's advice for them (start rank 0, check the address) is not this
+STORE_SILENT = re.compile(r"timed out after (\d+)ms while trying to connect to \((.+), (\d+)\)")
 
 
 def check_ft(cfg):
@@ -219,6 +223,16 @@ def timed_transport(torchft, timeout):
     return Timed(timeout=timeout, num_chunks=0)
 
 
+def not_committed_reason(error):
+    """Why a step did not commit, in one line: torch's words for a lost peer explained, as every chapter does, and
+    for the quorum's store not answering, this chapter's own words."""
+    silent = STORE_SILENT.search(str(error))
+    if silent:
+        return (f"the quorum's store at {silent[2]}:{silent[3]} did not answer within {int(silent[1]) / 1000:g}s: the "
+                f"group hosting it died or is cut off, or its machine is too busy for --timeout")
+    return explain(error) or str(error).splitlines()[0]
+
+
 class QuorumWatch:
     """After each step: one line when the quorum's size changes or this group healed (where the time went); None for
     a step that did not commit."""
@@ -258,8 +272,7 @@ class QuorumWatch:
             if not self.gathered:  # still waiting for every group at step 0
                 return False
             self.failed += 1
-            error = self.manager.errored().original_exception
-            reason = explain(error) or str(error).splitlines()[0]  # torch's words for a lost peer, explained
+            reason = not_committed_reason(self.manager.errored().original_exception)
             print0(self.ctx, f"step {step + 1} not committed ({reason}): retried")
             return False
         if healed_to is not None:  # this step healed us: the live groups' weights after their `healed_to` steps

@@ -97,3 +97,18 @@ def test_a_recognised_error_is_one_line():
     assert code == 1 and err == "error: --data-dir x is not a readable folder; fix the path\n"
     code, _, err = run_raising("RuntimeError(\"InductorError: RuntimeError: No working C++ compiler found in cpp_builder\")")
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err and "--compile needs a working C++ compiler" in err
+
+
+def test_a_step_of_chapter_12_not_committed_names_a_silent_quorum_store_in_its_own_words():
+    """ddp_ft.py's reason for a step that did not commit because the quorum's store did not answer (torchrun's store
+    once answered a connection 5.7 s late on a busy machine): the step is retried, so chapter 3's "start rank 0, check
+    the address" would be wrong; a lost peer keeps the explanation every chapter gives."""
+    from ddp_ft import not_committed_reason
+
+    silent = dist.DistNetworkError("The client socket has timed out after 3000ms while trying to connect to "
+                                   "(localhost, 41899).")
+    assert not_committed_reason(silent) == ("the quorum's store at localhost:41899 did not answer within 3s: the group "
+                                            "hosting it died or is cut off, or its machine is too busy for --timeout")
+    lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:13234: "
+                        "Connection reset by peer")
+    assert not_committed_reason(lost) == explain(lost) and "another rank died" in explain(lost)
