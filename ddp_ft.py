@@ -30,12 +30,9 @@ from common.cli import (NON_NEGATIVE, POSITIVE, REQUIRED, FatalError, UsageError
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, autocast, evaluate, loss_fn, print_epoch_line, print_loss_line
 from common.model import NeuralNetwork
-from common.ranks import DistContext, check_torchrun_worker, name_rank_in_errors, print0, rank_device
+from common.ranks import CONNECT_TIMED_OUT, DistContext, check_torchrun_worker, name_rank_in_errors, print0, rank_device
 
 TORCHFT = "torchft==0.2.0"  # the release this chapter was written and tested with
-# torch's words when the quorum's store (torchrun's, on the group that leads the quorum) does not answer in time: the
-# step is retried with the next quorum, so chapter 3's advice for them (start rank 0, check the address) is not this
-STORE_SILENT = re.compile(r"timed out after (\d+)ms while trying to connect to \((.+), (\d+)\)")
 
 
 def check_ft(cfg):
@@ -224,9 +221,10 @@ def timed_transport(torchft, timeout):
 
 
 def not_committed_reason(error):
-    """Why a step did not commit, in one line: torch's words for a lost peer explained, as every chapter does, and
-    for the quorum's store not answering, this chapter's own words."""
-    silent = STORE_SILENT.search(str(error))
+    """Why a step did not commit, in one line: torch's words for a lost peer explained, as every chapter does; for the
+    quorum's store (torchrun's, on the group that leads the quorum) not answering, this chapter's own words, since
+    the step is retried with the next quorum and chapter 3's advice (start rank 0, check the address) is not this."""
+    silent = re.search(CONNECT_TIMED_OUT, str(error))
     if silent:
         return (f"the quorum's store at {silent[2]}:{silent[3]} did not answer within {int(silent[1]) / 1000:g}s: the "
                 f"group hosting it died or is cut off, or its machine is too busy for --timeout")

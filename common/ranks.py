@@ -166,11 +166,12 @@ NO_RANK0 = ("rank 0 is not running there, a firewall blocks the port, or the add
             "the address and port, and set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface that reaches it")
 MISSING_PEERS = ("start every rank, with the same address and world size; a firewall between the machines, or "
                  "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the wrong interface, keeps them apart too")
+CONNECT_TIMED_OUT = r"timed out after (\d+)ms while trying to connect to \((.+), (\d+)\)"  # a store not answering
 DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line for them)
     (r"Unable to find address for: ?(\S+)", lambda m: (
         f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', m[1])} is not a network interface of this "
         f"machine; set it to the one on the network the ranks share (`ip -br addr` lists them), or unset it")),
-    (r"timed out after (\d+)ms while trying to connect to \((.+), (\d+)\)", lambda m: (
+    (CONNECT_TIMED_OUT, lambda m: (
         f"no rendezvous at {m[2]}:{m[3]} (torch's tries timed out after {int(m[1]) / 1000:g}s each): {NO_RANK0}")),
     (r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", lambda m: (
         f"only {m[2]} of {m[3]} processes reached the rendezvous within {m[1]}s: {MISSING_PEERS}")),

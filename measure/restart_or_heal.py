@@ -153,10 +153,16 @@ def chapter_3(net, data, out, killed):
     return dict(result, wall=wall, accuracy=accuracy(text))
 
 
+def lighthouse_path():
+    """torchft's lighthouse: pip puts it beside python and torchrun; `pip install --user` or --target elsewhere, on the
+    PATH. Where neither has it, the path beside python (which does not exist)."""
+    beside = Path(sys.executable).parent / "torchft_lighthouse"
+    return beside if beside.exists() else Path(shutil.which("torchft_lighthouse") or beside)
+
+
 def lighthouse_binary():
-    beside = Path(sys.executable).parent / "torchft_lighthouse"  # pip puts it beside python, else on the PATH
-    found = beside if beside.exists() else shutil.which("torchft_lighthouse")
-    if not found:
+    found = lighthouse_path()
+    if not found.exists():
         raise FatalError("torchft_lighthouse is not installed: `pip install -r requirements-ft.txt` (torch 2.7+)")
     return found
 

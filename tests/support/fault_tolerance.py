@@ -1,14 +1,12 @@
 """Chapter 12's runs (ddp_ft.py under torchft): whether torchft is here, its lighthouse, a replica group as a user
 starts it, and a run long enough that a group can be killed or cut off and come back before the other one ends."""
 import os
-import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.torch_version import TorchVersion
 
+from measure.restart_or_heal import lighthouse_path
 from support.long_runs import Watched
 from support.run import BASE_ENV, TORCHRUN
 
@@ -18,9 +16,7 @@ try:
 except ImportError:
     HAS_TORCHFT = False
 TORCH_2_7 = TorchVersion(torch.__version__) >= (2, 7)
-# pip installs it beside python and torchrun; `pip install --user` or --target elsewhere, on the PATH
-LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
-LIGHTHOUSE = LIGHTHOUSE if LIGHTHOUSE.exists() else Path(shutil.which("torchft_lighthouse") or LIGHTHOUSE)
+LIGHTHOUSE = lighthouse_path()
 
 # Skipped without torchft, except in CI where torch can run it: make setup must have installed it there.
 needs_torchft = pytest.mark.skipif(not HAS_TORCHFT and not (os.environ.get("CI") and TORCH_2_7),
