@@ -200,6 +200,25 @@ def test_every_doc_command_is_known():
         assert any(re.search(pattern, c) for c in commands), f"no doc command matches {pattern!r} ({reason}) any more"
 
 
+def test_every_link_between_the_docs_leads_to_a_file_and_its_heading():
+    """Runs move between RUN.md and the docs pages: every relative link in README.md, RUN.md and docs/*.md names a
+    file that exists and, after #, a heading it has (GitHub's anchor: lower case, punctuation dropped, spaces to -)."""
+    pages = [REPO / "README.md", REPO / "RUN.md", *sorted((REPO / "docs").glob("*.md"))]
+    prose = {page: re.sub(r"```.*?```", "", page.read_text(), flags=re.S) for page in pages}
+    anchors = {page: {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+                      for title in re.findall(r"^#+ (.*)$", text, re.M)} for page, text in prose.items()}
+    broken = []
+    for page, text in prose.items():
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            path, _, anchor = link.partition("#")
+            if re.match(r"\w+:", link):
+                continue  # a web address
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists() or anchor and target.suffix == ".md" and anchor not in anchors[target]:
+                broken.append(f"{page.relative_to(REPO)}: ({link})")
+    assert not broken, broken
+
+
 @pytest.mark.parametrize("doc,section", doc_runs(), ids=[run_id(*run) for run in doc_runs()])
 def test_doc_commands_run(doc, section, real_data, workspace):
     """The commands of a document, or of one `## ` section of a SPLIT one in a folder of its own: a section that

@@ -509,6 +509,9 @@ MUTATIONS = [
         ("docs/scaling.json", """   "row": "powersgd",
    "rate": "100mbit",""", """   "row": "powersgd",
    "rate": "10mbit",""")),  # a PowerSGD step's 8.6 ms at 10 Mbit/s, as the bursty link let the dropped runs through
+    bug("doc-link-to-a-moved-run", "the docs' links lead to a file and a heading it has",
+        ["tests/test_docs.py::test_every_link_between_the_docs_leads_to_a_file_and_its_heading"],
+        ("RUN.md", "(docs/scaling.md#the-runs-as-they-printed)", "(RUN.md#why-is-ddp-slower-than-one-process)")),
     bug("bf16-hook-is-fp16s", "each --comm-hook value is the hook it names: bf16 sends bfloat16",
         ["tests/test_comm_hooks.py::test_each_comm_hook_value_sends_what_it_names[bf16]"],
         ("common/comm_hooks.py", 'getattr(default_hooks, f"{name}_compress_hook")', "default_hooks.fp16_compress_hook")),
