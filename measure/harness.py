@@ -1,6 +1,7 @@
 """The measurement scripts' one harness, the only module they share: a chapter run unchanged inside a rank
 (worker_command, worker_args, after_steps, run_chapter), torchrun on this machine or one rank on each of two
-(torchrun, run, two_machines, shape, torchrun_on_two, wait_for), one way to fail (fail), JSON and pictures."""
+(torchrun, run, two_machines, shape, torchrun_on_two, wait_for), the processes below one (descendants, which the
+tests use too), one way to fail (fail), JSON and pictures."""
 import argparse
 import json
 import math
@@ -115,6 +116,23 @@ def torchrun(ranks, args):
 def start(cmd, env_=None, stdout=subprocess.DEVNULL):
     """cmd started in the repository, its standard error kept for wait_for."""
     return subprocess.Popen(cmd, cwd=REPO, env=env_ or env(), stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
+def descendants(pid):
+    """The pids of every process below pid (children, their children, ...), from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def fail(what, problem, output):

@@ -33,8 +33,8 @@ from statistics import mean
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for measure/ and common/
 
 from common.cli import FatalError, run_main  # noqa: E402
-from measure.harness import (IFNAME, NODES, PORT, env, environment, fail, last_lines, read_json, start,  # noqa: E402
-                             two_machines, write_json)
+from measure.harness import (IFNAME, NODES, PORT, descendants, env, environment, fail, last_lines, read_json,  # noqa: E402
+                             start, two_machines, write_json)
 
 A, B = NODES
 LIGHTHOUSE_PORT = 29510
@@ -89,20 +89,6 @@ class Lines:
 
     def text(self):
         return "\n".join(line for _, line in self.lines)
-
-
-def descendants(pid):
-    """Every process below pid."""
-    found, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
 
 
 def kill_below(proc, wanted):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from measure.harness import descendants
 from support.run import TORCHRUN, no_abort_at_exit
 
 # Long enough epochs (200 steps) that a kill lands inside one; short enough to keep the suite quick. With momentum,
@@ -79,10 +80,7 @@ def worker_with_rank(launcher_pid, rank):
     """The training process below a launcher (torchrun or mp.spawn) whose environment or argv says this rank."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        todo = children(launcher_pid)
-        while todo:
-            pid = todo.pop()
-            todo += children(pid)
+        for pid in descendants(launcher_pid):
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from measure.harness import descendants
 from support import REPO
 
 # Every process a test starts: no download attempts, the CPU even where a GPU is visible (tests/test_gpu.py asks
@@ -79,23 +80,6 @@ def run_forked_cases(request, test, cases):
     return dict(zip(wanted, run_forked([cases[case] for case in wanted])))
 
 
-def _descendants(pid):
-    """The pids of every process below pid (children, their children, ...), from /proc."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        try:
-            stat = open(f"/proc/{entry}/stat").read()
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 class Procs:
     """Processes started in their own sessions, so a test can kill every one of them and their children."""
 
@@ -113,7 +97,7 @@ class Procs:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for pid in [p.pid, *_descendants(p.pid)]:  # each prints its threads' Python stacks (cuda_defaults/)
+            for pid in [p.pid, *descendants(p.pid)]:  # each prints its threads' Python stacks (cuda_defaults/)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR2)
             time.sleep(2)
@@ -129,7 +113,7 @@ class Procs:
     def kill(self, p):
         """p's process group, and every process started under it: torchrun starts each worker in a session of its
         own, so killing torchrun's group alone would leave its workers running."""
-        for pid in _descendants(p.pid):
+        for pid in descendants(p.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
