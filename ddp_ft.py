@@ -10,6 +10,8 @@ Read it top to bottom: its own step loop, as torchft decides step by step which 
 Kill B and A goes on alone after one quorum without it (each group keeps its batch: the global batch shrinks); start
 B's command again and it heals from A and trains with it from the next step. torchft: github.com/meta-pytorch/torchft
 (pip install torchft==0.2.0, torch 2.7 or later). docs/fault_tolerance.md compares it with chapter 3's restarts.
+With --sync-every H the groups sync as chapter 11's DiLoCo does, with torchft's own (torchft.local_sgd.DiLoCo): each
+trains alone, and a quorum forms only at each sync (a lighthouse with --min_replicas 2 makes the first wait for both).
 """
 import logging
 import math
@@ -25,8 +27,8 @@ from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common.checkpoint import prepare_output, save_weights
-from common.cli import (NON_NEGATIVE, POSITIVE, REQUIRED, FatalError, UsageError, explain, flag, parse_config,
-                        run_main)
+from common.cli import (MOMENTUM, NON_NEGATIVE, POSITIVE, RATE, REQUIRED, FatalError, UsageError, explain, flag,
+                        parse_config, run_main)
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, autocast, evaluate, loss_fn, print_epoch_line, print_loss_line
 from common.model import NeuralNetwork
@@ -49,6 +51,18 @@ def check_ft(cfg):
     if unsupported:
         return (f"ddp_ft.py does not take {', '.join(unsupported)}: a restarted group heals from a live one instead "
                 f"of a snapshot, and its step is torchft's (one batch, fp32 or bf16, eager)")
+    h, f = cfg.sync_every, cfg.fragments
+    if not h and (f != 1 or cfg.overlap):
+        return "--fragments and --overlap are DiLoCo's: give --sync-every H too"
+    if h and f > 3:
+        return (f"--fragments {f} is more than 3: torchft's fragments are whole modules, and this model has 3 Linear "
+                f"layers; use 1 to 3")
+    if h % f:
+        return (f"--sync-every {h} must be a multiple of --fragments {f} (torchft syncs a fragment every H/F steps): "
+                f"use --sync-every {h + f - h % f}")
+    if h and cfg.overlap >= h // f:
+        return (f"--overlap {cfg.overlap} must be below --sync-every/--fragments = {h // f} (torchft's "
+                f"fragment_sync_delay: a fragment's all-reduce ends before the next fragment's starts)")
 
 
 FT_FLAGS = dict(
@@ -58,7 +72,15 @@ FT_FLAGS = dict(
     min_replicas=flag(1, POSITIVE, "the fewest groups a step may commit with (1: any survivor trains on alone)"),
     lighthouse=flag(os.environ.get("TORCHFT_LIGHTHOUSE", "http://localhost:29510"), str,
                     "the lighthouse's address (env TORCHFT_LIGHTHOUSE)"),
-    torchft_log=flag(False, bool, "show torchft's own log lines (off: one line when the quorum changes)"))
+    torchft_log=flag(False, bool, "show torchft's own log lines (off: one line when the quorum changes)"),
+    # torchft's own DiLoCo (torchft.local_sgd.DiLoCo): chapter 11's outer loop across the groups, with its flags
+    sync_every=flag(0, NON_NEGATIVE, "H: torchft's DiLoCo, the groups synced every H inner steps (chapter 11's "
+                                     "outer loop; 0: every step's gradients averaged)"),
+    fragments=flag(1, POSITIVE, "DiLoCo's F: the model's 3 Linear layers dealt in F fragments, synced H/F steps apart"),
+    overlap=flag(0, NON_NEGATIVE, "DiLoCo's K (torchft's fragment_sync_delay): steps from a fragment's all-reduce "
+                                  "to its wait"),
+    outer_lr=flag(0.7, RATE, "DiLoCo's outer SGD learning rate (chapter 11's 0.7)"),
+    outer_momentum=flag(0.9, MOMENTUM, "DiLoCo's outer SGD Nesterov momentum (chapter 11's 0.9; 0: plain SGD)"))
 
 
 def import_torchft():
@@ -68,6 +90,7 @@ def import_torchft():
                          f"`pip install 'torch>=2.7' {TORCHFT}`")
     try:
         import torchft
+        import torchft.local_sgd  # DiLoCo (--sync-every)
     except ImportError as e:
         raise UsageError(f"ddp_ft.py needs torchft ({e}): `pip install {TORCHFT}` (`make setup` installs it)") from None
     return torchft
@@ -107,7 +130,8 @@ def main():
         manager = torchft.Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.min_replicas,
                                   replica_id=f"group_{cfg.replica_group}", lighthouse_addr=cfg.lighthouse,
                                   timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-                                  checkpoint_transport=transport, init_sync=False)  # seeded alike: no sync at step 0
+                                  checkpoint_transport=transport, init_sync=False,  # seeded alike: no sync at step 0
+                                  use_async_quorum=not cfg.sync_every)  # DiLoCo: each sync's quorum waited for
     except RuntimeError as e:  # the Manager's server connects to the lighthouse first, for up to --timeout
         if "failed to connect" not in str(e):
             raise
@@ -148,17 +172,22 @@ def train(cfg, ctx, torchft, manager, transport):
     # Step 5, wrap: no DDP wrapper. torchft's Optimizer starts each step's quorum in zero_grad(), and step() steps
     # only if every group of the quorum got through the step (should_commit), else no group takes it.
     inner = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    optimizer = torchft.Optimizer(manager, inner)
+    optimizer = inner if cfg.sync_every else torchft.Optimizer(manager, inner)
     # What a healing group receives from a live one: the weights and the optimizer's state (momentum); and the step.
     manager.register_state_dict_fn("train", lambda state: load_state(model, inner, state),
                                    lambda: {"model": model.state_dict(), "optim": inner.state_dict()})
+    # --sync-every H: torchft's DiLoCo (chapter 11's outer loop) instead. Each group steps its own weights with the
+    # inner optimizer; every H/F steps its hook syncs a fragment: a quorum, how far the group moved since the last sync
+    # all-reduced over it, the outer SGD's step (or, if a group failed, the fragment back to its last sync).
+    diloco, shared = (diloco_over_groups(cfg, torchft, manager, model, inner) if cfg.sync_every else
+                      (None, lambda: model))
     print0(ctx, model)
 
-    metrics, watch = MetricsLog(output, ctx), QuorumWatch(manager, transport, cfg, ctx)
+    metrics, watch = MetricsLog(output, ctx), QuorumWatch(manager, transport, cfg, ctx, diloco)
     epoch = None
-    # Step 6, epochs: torchft counts the committed steps (the Manager's step, the same in every group of a quorum);
-    # the epochs follow from it, each drawing its own shuffle from seed + epoch.
-    while (step := manager.current_step()) < cfg.epochs * steps:
+    # Step 6, epochs: torchft counts the committed steps (the Manager's step, the same in every group of a quorum;
+    # with DiLoCo, its syncs); the epochs follow from it, each drawing its own shuffle from seed + epoch.
+    while (step := watch.steps_done()) < cfg.epochs * steps:
         if step // steps != epoch:
             epoch = step // steps
             print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
@@ -167,12 +196,13 @@ def train(cfg, ctx, torchft, manager, transport):
             loss_sum, seen, start = torch.zeros((), device=ctx.device), 0, time.perf_counter()
         k = step % steps
         X, y = train_set.__getitems__(order[k * batch:(k + 1) * batch])  # this group's share of step `step`'s batch
-        optimizer.zero_grad()  # torchft: starts this step's quorum (in the background, while forward() runs)
+        optimizer.zero_grad()  # torchft: starts this step's quorum in the background (DiLoCo: at a sync)
         watch.wait_for_every_group(step)  # step 1 waits (up to --timeout) for all --replica-groups to be there
         with autocast(cfg, ctx.device):
             loss = loss_fn(model(X), y)
         loss.backward()
-        average_gradients(model, manager)  # over the quorum's groups: together, the step's whole batch
+        if diloco is None:
+            average_gradients(model, manager)  # over the quorum's groups: together, the step's whole batch
         optimizer.step()  # steps only if the quorum committed; a healing group loads the live state first
         if not watch.committed(step):  # a group died mid-step, or this group healed: no loss of ours to count
             continue
@@ -180,16 +210,44 @@ def train(cfg, ctx, torchft, manager, transport):
         seen += len(y)
         if k % cfg.log_every == 0:  # this group's loss
             print_loss_line(loss.detach(), len(y), k, epoch, steps, len(train_set), cfg, ctx, metrics)
-        if k == steps - 1:  # the epoch's end: its line, then the test set (each group tests the weights it holds)
-            print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics)
-            evaluate(model, test_loader, epoch, ctx, metrics)
+        if k == steps - 1:  # the epoch's end: its line, then the test set (each group tests the weights it holds;
+            print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics)  # DiLoCo: the shared ones)
+            evaluate(shared(), test_loader, epoch, ctx, metrics)
             model.train()
     print0(ctx, f"Done! {watch.summary()}")
 
     # Step 7, save: every group holds the same weights; each saves its own copy on its machine.
+    if diloco is not None and diloco._local_step + cfg.fragments > 1:  # (torchft's count of steps since a sync)
+        print0(ctx, "model.pth holds each fragment's weights as of its last sync, as every group does (torchft has "
+                    "no call to sync the steps since; chapter 11 does)")
     if ctx.is_main:
-        save_weights(model, output / "model.pth")
+        save_weights(shared(), output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
+
+
+def diloco_over_groups(cfg, torchft, manager, model, inner):
+    """torchft's DiLoCo over the replica groups, with chapter 11's outer SGD (one per fragment: each steps its own
+    momentum) and fp32 on the wire; and a function giving a model with the shared weights, as of each fragment's last
+    sync (torchft keeps them on the CPU, and sends them to a healing group): the same in every group."""
+    linears = lambda m: [layer for layer in m.modules() if isinstance(layer, torch.nn.Linear)]  # noqa: E731
+    split = lambda m: [torch.nn.ModuleList(part) for part in  # noqa: E731  F consecutive runs of layers
+                       (linears(m)[i * 3 // cfg.fragments:(i + 1) * 3 // cfg.fragments] for i in range(cfg.fragments))]
+    fragments = split(model)
+    outer = [torch.optim.SGD(fragment.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                             nesterov=cfg.outer_momentum > 0) for fragment in fragments]
+    diloco = torchft.local_sgd.DiLoCo(manager, fragments, inner, outer, sync_every=cfg.sync_every,
+                                      fragment_sync_delay=cfg.overlap)
+    diloco.__enter__()  # its hooks on the inner optimizer (torchft's DiLoCo is a context manager): for the whole run
+    evaluated = NeuralNetwork().to(next(model.parameters()).device)
+
+    @torch.no_grad()
+    def shared():
+        for part, synced in zip(split(evaluated), diloco._fragments):
+            for param, saved in zip(part.parameters(), synced.original_parameters.values()):
+                param.copy_(saved)
+        return evaluated
+
+    return diloco, shared
 
 
 def load_state(model, optimizer, state):
@@ -233,17 +291,24 @@ def not_committed_reason(error):
 
 class QuorumWatch:
     """After each step: one line when the quorum's size changes or this group healed (where the time went); None for
-    a step that did not commit."""
+    a step that did not commit. With DiLoCo, torchft's step counts syncs, H/F inner steps each."""
 
-    def __init__(self, manager, transport, cfg, ctx):
-        self.manager, self.transport, self.cfg, self.ctx = manager, transport, cfg, ctx
-        self.gathered, self.waited, self.deadline = False, False, time.monotonic() + cfg.timeout
+    def __init__(self, manager, transport, cfg, ctx, diloco=None):
+        self.manager, self.transport, self.cfg, self.ctx, self.diloco = manager, transport, cfg, ctx, diloco
+        self.gathered, self.waited, self.deadline = bool(diloco), False, time.monotonic() + cfg.timeout
         self.size, self.failed, self.began = None, 0, time.perf_counter()
+        self.per_sync = cfg.sync_every // cfg.fragments if diloco else 1  # inner steps per step of torchft's
+
+    def steps_done(self):
+        """The steps this group has taken and kept: torchft's, times H/F with DiLoCo, plus those since its last sync."""
+        return self.manager.current_step() * self.per_sync + (self.diloco._local_step if self.diloco else 0)
 
     def wait_for_every_group(self, step):
         """At step 0, until --timeout: a quorum without all --replica-groups commits nothing (the step is retried with
-        the next quorum), so that every group trains from step 1 and a run without failures is chapter 1's."""
-        if step or self.gathered:
+        the next quorum), so that every group trains from step 1 and a run without failures is chapter 1's. Not with
+        DiLoCo: its first quorum is at the first sync, and a quorum of ours before it would meet a live group's sync
+        (a group started again) with no all-reduce; there a lighthouse with --min_replicas R waits for all R."""
+        if step or self.gathered or self.diloco:
             return
         self.manager.wait_quorum()
         healing = self.transport.received_step is not None  # joined groups that train already: no wait (and it
@@ -265,29 +330,33 @@ class QuorumWatch:
         """True if step `step` committed with this group's own gradients; the lines for what changed."""
         took, self.began = time.perf_counter() - self.began, time.perf_counter()
         healed_to, self.transport.received_step = self.transport.received_step, None
-        now = self.manager.current_step()
-        if now != (step if healed_to is None else healed_to) + 1:
+        now, per = self.steps_done(), self.per_sync
+        # a healed group is at the live groups' step: torchft's count times H/F, plus the inner steps since a sync
+        if now != (step + 1 if healed_to is None else healed_to * per + ((step + 1) % per or per)):
             if not self.gathered:  # still waiting for every group at step 0
                 return False
             self.failed += 1
-            reason = not_committed_reason(self.manager.errored().original_exception)
-            print0(self.ctx, f"step {step + 1} not committed ({reason}): retried")
+            error = self.manager.errored()
+            reason = not_committed_reason(error.original_exception) if error else "another group failed it"
+            print0(self.ctx, f"step {step + 1} not committed ({reason}): retried" if per == 1 else
+                   f"the sync at step {step + 1} not committed ({reason}): steps {now + 1}-{step + 1} retried")
             return False
         if healed_to is not None:  # this step healed us: the live groups' weights after their `healed_to` steps
-            print0(self.ctx, f"step {now}: healed from a live group at its step {healed_to} ({healed_to - step} steps "
-                             f"skipped here): state received in {self.transport.received_seconds:.2f}s, quorum and "
-                             f"step {took:.2f}s in all")
+            print0(self.ctx, f"step {now}: healed from a live group at its "
+                             + (f"step {healed_to} ({healed_to - step}" if per == 1 else
+                                f"sync {healed_to} ({now - step - 1}") + " steps skipped here): state received in "
+                             f"{self.transport.received_seconds:.2f}s, quorum and step {took:.2f}s in all")
             return False  # the step was the live groups' (their gradients); the quorum's size is said at the next
         size = self.manager.num_participants()
-        if size != self.size:
+        if size != self.size and size:  # (0 with DiLoCo before its first sync: no quorum yet)
             print0(self.ctx, f"step {now}: quorum of {size} replica group{'s' * (size != 1)}"
                              + ("" if self.size is None else f" (was {self.size})"))
             self.size = size
         return True
 
     def summary(self):
-        return (f"{self.manager.current_step()} steps committed, {self.failed} retried, "
-                f"{self.manager.batches_committed()} group batches")
+        return (f"{self.manager.current_step()} {'syncs' if self.diloco else 'steps'} committed, {self.failed} "
+                f"retried, {self.manager.batches_committed()} group batches")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ travels behind whatever the peer has already sent.
 --whole runs each chapter unchanged instead, for WHOLE_EPOCHS epochs on the full data, and reads its metrics.jsonl:
 the epochs' training time (from each epoch's first step to its last, so PowerSGD's full-size first steps count), the
 final test accuracy of the same run, and the wall time around it; chapter 1 and each row --repeats times, the mean
-with min-max, each row's speed against chapter 1's mean.
+with min-max, each row's speed against chapter 1's mean. Chapter 12's DiLoCo rows (ft_*) start torchft's lighthouse
+on nodea and a replica group on each machine, and read group 0's metrics.
 
 Why the profiler, not DDP's own timing (DDP._get_ddp_logging_data()): it times FSDP2's collectives too, so every
 row is measured the same way; it sees DDP's two buckets run at once on gloo's two threads (their union, not their
@@ -64,6 +65,7 @@ from common.ranks import destroy_process_group  # noqa: E402
 from measure import harness  # noqa: E402
 from measure.harness import NODES, PORT, PROFILER_DTYPES, RATES, kib, sent_by_ring, write_json  # noqa: E402
 from measure.netns import tc_bits  # noqa: E402
+from measure.restart_or_heal import lighthouse_binary  # noqa: E402
 
 WARMUP = 3  # optimizer steps before the measurement (allocations, the buckets' first all-reduces)
 STEPS = {None: 10, "unlimited": 10, "1gbit": 10, "100mbit": 5, "10mbit": 5}  # measured, per link (None: alone)
@@ -129,6 +131,13 @@ WHOLE_ROWS = {  # name: (its flags, link rates); chapter 1 runs alone, the other
     "diloco_f8_k7": (["--sync-every", "59", "--fragments", "8", "--overlap", "7"], DILOCO_RATES),
     "diloco_f4_k10_lr1": (["--sync-every", "59", "--fragments", "4", "--overlap", "10", "--outer-lr", "1"],
                           DILOCO_RATES),
+    "diloco_f3_h60_k10_fp32": (["--sync-every", "60", "--fragments", "3", "--overlap", "10", "--wire-dtype", "fp32"],
+                               DILOCO_RATES),
+    # torchft's own DiLoCo (ddp_ft.py --sync-every, chapter 12): a replica group on each machine, torchft's lighthouse
+    # on nodea, fp32 on the wire (torchft quantizes only to fp8, with Triton on a GPU); its fragments are whole layers
+    # (3 here), H a multiple of them: beside chapter 11's fp32 rows with the same H, F and K
+    "ft_diloco_h59": (["--sync-every", "59"], DILOCO_RATES),
+    "ft_diloco_f3_h60_k10": (["--sync-every", "60", "--fragments", "3", "--overlap", "10"], DILOCO_RATES),
 }
 DILOCO_GOAL = {"10mbit": 1.5, "100mbit": 1.6}  # x chapter 1's speed; and within 0.5 points of its accuracy
 DILOCO_UNSHAPED, DILOCO_FEWER_BYTES = 1.15, 50  # at 10 Mbit/s at most 1.15x its unshaped time; 50x fewer than DDP's
@@ -139,9 +148,13 @@ WHOLE_NAMES = {"single": "chapter 1, one process", "ddp": "DDP (chapter 3)", "by
                "localsgd_epoch": f"DDP, --comm-hook localsgd:{WHOLE_STEPS // WHOLE_EPOCHS} (averaged once an epoch)",
                "localsgd_epoch_0": f"DDP, --comm-hook localsgd:{WHOLE_STEPS // WHOLE_EPOCHS}:0 (once an epoch, "
                                    f"local from step 1)"}
-DILOCO_ROWS = [name for name in WHOLE_ROWS if name.startswith("diloco")]
-WHOLE_NAMES.update({name: "DiLoCo (chapter 11), " + " ".join(WHOLE_ROWS[name][0]) for name in DILOCO_ROWS})
-WHOLE_SCRIPTS = {"by_hand": "ddp_by_hand.py", **{name: "diloco.py" for name in DILOCO_ROWS}}
+DILOCO_ROWS = [name for name in WHOLE_ROWS if "diloco" in name]
+FT_ROWS = [name for name in DILOCO_ROWS if name.startswith("ft_")]
+WHOLE_NAMES.update({name: ("torchft's DiLoCo (chapter 12), " if name in FT_ROWS else "DiLoCo (chapter 11), ")
+                    + " ".join(WHOLE_ROWS[name][0]) for name in DILOCO_ROWS})
+WHOLE_SCRIPTS = {"by_hand": "ddp_by_hand.py", **{name: "ddp_ft.py" if name in FT_ROWS else "diloco.py"
+                                                 for name in DILOCO_ROWS}}
+LIGHTHOUSE_PORT = 29510
 
 
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
@@ -540,13 +553,28 @@ def run_whole(name, rate, net, data_dir, tmp):
     out = Path(tempfile.mkdtemp(prefix=f"{name}-whole-", dir=tmp))
     args = [*flags, "--batch-size", str(BATCH), "--lr", str(WHOLE_LR), "--epochs", str(WHOLE_EPOCHS), "--log-every",
             "100000", "--device", "cpu", "--output", str(out), *(["--data-dir", data_dir] if data_dir else [])]
-    start = time.perf_counter()
+    start, lighthouse = time.perf_counter(), None
     if name == "single":  # one thread, as each rank on the two machines has
         procs = [harness.start(harness.torchrun(None, ["single_gpu.py", *args]), harness.env(OMP_NUM_THREADS="1"))]
+    elif name in FT_ROWS:  # the lighthouse on nodea (--min_replicas 2: the first sync waits for both groups), then
+        sent = net.sent_bytes()  # a replica group on each machine, its own torchrun, saving beside the other's
+        lighthouse = harness.start(net.command("nodea", [lighthouse_binary(), "--min_replicas", "2",
+                                                         "--join_timeout_ms", "10000", "--bind",
+                                                         f"[::]:{LIGHTHOUSE_PORT}"]), harness.env(RUST_LOG="warn"))
+        procs = harness.on_two(net, lambda i, node: [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "ddp_ft.py",
+            "--replica-group", str(i), "--lighthouse", f"http://{NODES['nodea']}:{LIGHTHOUSE_PORT}", *args,
+            "--output", str(out / f"group_{i}")])
+        out = out / "group_0"
     else:
         sent = net.sent_bytes()
         procs = harness.torchrun_on_two(net, [WHOLE_SCRIPTS.get(name, "ddp_launch.py"), *args])
-    harness.wait_for(procs, f"{WHOLE_NAMES[name]} at {rate or 'no link'}", timeout=1800)
+    try:
+        harness.wait_for(procs, f"{WHOLE_NAMES[name]} at {rate or 'no link'}", timeout=1800)
+    finally:
+        if lighthouse is not None:
+            lighthouse.kill()
+            lighthouse.wait()
     epochs = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
     return dict(row=name, rate=rate, train_seconds=sum(r["train_seconds"] for r in epochs),
                 wall_seconds=time.perf_counter() - start, accuracy=epochs[-1]["test_accuracy"],

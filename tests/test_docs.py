@@ -46,8 +46,10 @@ NOT_RUN_HERE = [
                                      "against its runs' JSON; test_multinode.py and that file run each way's kill"),
     (r"timeline\.py .*--link", "needs root and network namespaces: tests/test_timeline.py runs it and checks that the "
                                "link held the all-reduces back"),
-    (r"torchft_lighthouse|ddp_ft\.py|replica-group", "a lighthouse and a job per machine, one killed and started again: "
-                                                  "tests/test_fault_tolerance.py starts them as these commands do"),
+    (r"torchft_lighthouse|ddp_ft\.py|replica-group|runs/ft_diloco_", "a lighthouse and a job per machine (one killed "
+                                                                   "and started again), and what they saved: "
+                                                                   "tests/test_fault_tolerance.py starts them as these "
+                                                                   "commands do and compares the groups' weights"),
     (r"timeline\.py (fsdp|tensor_parallel|pipeline)\.py", "tests/test_timeline.py runs these (FSDP2, tensor parallel, the "
                                                           "pipeline at 2 and 3 stages) and checks each trace"),
 ]

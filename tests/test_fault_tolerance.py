@@ -10,16 +10,20 @@ import torch
 from support.fault_tolerance import (HAS_TORCHFT, LONG_FT, SLOWER, STEP_21, TORCH_2_7, finished,
                                      lighthouse_command, needs_torchft, start_group)
 from support.ports import free_port
-from support.run import BASE_ENV, run_code, run_forked, run_script
+from support.run import BASE_ENV, TORCHRUN, run_code, run_forked, run_script
 from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
+
+
+def start_lighthouse(procs, min_replicas=1):
+    """A lighthouse on a free loopback port, as README starts it; its address."""
+    port = free_port()
+    procs.start(lighthouse_command(f"127.0.0.1:{port}", min_replicas), env={**BASE_ENV, "RUST_LOG": "warn"})
+    return f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture
 def lighthouse(procs):
-    """A lighthouse on a free loopback port, as README starts it; its address."""
-    port = free_port()
-    procs.start(lighthouse_command(f"127.0.0.1:{port}"), env={**BASE_ENV, "RUST_LOG": "warn"})
-    return f"http://127.0.0.1:{port}"
+    return start_lighthouse(procs)
 
 
 @needs_torchft
@@ -47,6 +51,7 @@ def test_a_killed_group_heals_from_the_live_one_which_never_restarts(procs, ligh
     b.wait_for(STEP_21, after=b.wait_for("Epoch 1"), timeout=180)  # step 21 of 1200
     procs.kill(b.proc)  # torchrun and its worker
     b.finish()
+    a.wait_for("quorum of 1 replica group (was 2)", timeout=120)  # then started again (as below, with DiLoCo)
     b = start_group(procs, lighthouse, 1, args(1), SLOWER)
     out_a, out_b = finished(a), finished(b)
     both = f"{out_a}\n--- group 1, started again:\n{out_b}"
@@ -65,6 +70,89 @@ def test_a_killed_group_heals_from_the_live_one_which_never_restarts(procs, ligh
     assert chapter_1.returncode == 0, chapter_1.stderr
     accuracy = [float(re.findall(r"Accuracy: ([\d.]+)%", out)[-1]) for out in (out_a, out_b, chapter_1.stdout)]
     assert accuracy[0] == accuracy[1] and abs(accuracy[0] - accuracy[2]) <= 0.5, accuracy
+
+
+# torchft's DiLoCo where chapter 11 syncs alike: H = 5 (SLICE's 40 steps end at a sync), one fragment, no overlap,
+# fp32 on the wire, chapter 11's outer Nesterov SGD (lr 0.7, momentum 0.9) and inner momentum
+FT_DILOCO = ["--sync-every", "5", "--momentum", "0.9"]
+CHAPTER_11 = [*FT_DILOCO, "--fragments", "1", "--overlap", "0", "--wire-dtype", "fp32"]
+# streaming: the model's 3 layers each a fragment, one synced every 2 steps, its all-reduce waited 1 step later
+FT_STREAMING = ["--sync-every", "6", "--fragments", "3", "--overlap", "1", "--momentum", "0.9"]
+
+
+def both_groups(procs, lighthouse, real_data, tmp_path, flags):
+    """Groups 0 and 1 on SLICE with flags, started together: their stdouts."""
+    runs = [start_group(procs, lighthouse, g, [*slice_args(real_data, tmp_path / f"g{g}"), *flags]) for g in (0, 1)]
+    return [finished(run) for run in runs]
+
+
+def diloco_py(procs, real_data, out, flags):
+    """Chapter 11 on two ranks on SLICE: its stdout."""
+    code, stdout, err = procs.wait(procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "diloco.py",
+                                                *slice_args(real_data, out), "--timeout", "60", *flags], env=BASE_ENV))
+    assert code == 0, err
+    return stdout
+
+
+@needs_torchft
+def test_torchfts_diloco_trains_chapter_11s_model(procs, real_data, tmp_path):
+    """--sync-every H: torchft's DiLoCo over the two groups. With chapter 11's settings (one fragment, fp32 on the
+    wire) both groups save chapter 11's weights and print its test accuracies; the lighthouse's --min_replicas 2 puts
+    both groups in the first sync. Each sync is a quorum: its line once, and the syncs counted."""
+    lighthouse = start_lighthouse(procs, min_replicas=2)
+    outs = both_groups(procs, lighthouse, real_data, tmp_path, FT_DILOCO)
+    chapter_11 = diloco_py(procs, real_data, tmp_path / "chapter_11", CHAPTER_11)
+    for g, out in enumerate(outs):
+        assert out.count("quorum of") == 1 and "step 5: quorum of 2 replica groups" in out, out
+        assert "Done! 8 syncs committed, 0 retried, 16 group batches" in out, out
+        assert accuracy_lines(out) == accuracy_lines(chapter_11)
+        difference = max_abs_diff(load_state(tmp_path / "chapter_11" / "model.pth"),
+                                  load_state(tmp_path / f"g{g}" / "model.pth"))
+        print(f"group {g} against chapter 11: max |diff| {difference:.3g}")
+        assert difference <= SAME_MODEL
+
+
+@needs_torchft
+def test_torchfts_streaming_diloco_saves_the_same_weights_in_both_groups(procs, real_data, tmp_path):
+    """Three fragments synced in turn, each all-reduce waited a step later: both groups save the weights of each
+    fragment's last sync (torchft does not sync the steps since; the run says so), the same in both, and learn as
+    chapter 11's streaming run does (its slices are not whole layers: within 10 points of its accuracy)."""
+    lighthouse = start_lighthouse(procs, min_replicas=2)
+    outs = both_groups(procs, lighthouse, real_data, tmp_path, FT_STREAMING)
+    for out in outs:
+        assert "Done! 20 syncs committed, 0 retried" in out, out
+        assert "model.pth holds each fragment's weights as of its last sync, as every group does" in out, out
+    assert max_abs_diff(*[load_state(tmp_path / f"g{g}" / "model.pth") for g in (0, 1)]) == 0.0
+    assert accuracy_lines(outs[0]) == accuracy_lines(outs[1])
+    chapter_11 = diloco_py(procs, real_data, tmp_path / "chapter_11", [*FT_STREAMING, "--wire-dtype", "fp32"])
+    accuracy = [float(re.findall(r"Accuracy: ([\d.]+)%", out)[-1]) for out in (outs[0], chapter_11)]
+    assert abs(accuracy[0] - accuracy[1]) <= 10, accuracy
+
+
+@needs_torchft
+def test_with_diloco_a_killed_group_heals_at_a_sync(procs, lighthouse, real_data, tmp_path):
+    """--sync-every 10: group 1 killed at step 21 and started again trains alone until its first sync, heals there
+    from group 0 (the shared weights, each group's weights and momentum, torchft's step) and syncs with it from then
+    on; group 0 never restarts. Both end with the same weights and accuracy."""
+    args = lambda g: [*LONG_FT, "--sync-every", "10", "--data-dir", str(real_data),  # noqa: E731
+                      "--output", str(tmp_path / f"g{g}")]
+    a, b = start_group(procs, lighthouse, 0, args(0), SLOWER), start_group(procs, lighthouse, 1, args(1), SLOWER)
+    b.wait_for(STEP_21, after=b.wait_for("Epoch 1"), timeout=180)
+    procs.kill(b.proc)
+    b.finish()
+    # Group 0 syncs alone once the lighthouse has missed group 1's heartbeats for 5 s (torchft's default); a group 1
+    # started again sooner would keep it waiting for group 1's first sync instead: started after that here
+    a.wait_for("quorum of 1 replica group (was 2)", timeout=120)
+    b = start_group(procs, lighthouse, 1, args(1), SLOWER)
+    out_a, out_b = finished(a), finished(b)
+    both = f"{out_a}\n--- group 1, started again:\n{out_b}"
+    assert out_a.count("Config:") == 1, both
+    assert re.search(r"step \d+: quorum of 2 replica groups \(was 1\)", out_a), both
+    healed = re.search(r"step (\d+): healed from a live group at its sync (\d+) \((\d+) steps skipped here\)", out_b)
+    assert healed and int(healed[1]) == (int(healed[2]) + 1) * 10 and int(healed[3]) == int(healed[1]) - 10, both
+    assert "Done! 120 syncs committed" in out_a and "Done! 120 syncs committed" in out_b, both
+    assert max_abs_diff(*[load_state(tmp_path / f"g{g}" / "model.pth") for g in (0, 1)]) == 0.0
+    assert accuracy_lines(out_a)[-1] == accuracy_lines(out_b)[-1], both
 
 
 ALONE = """
@@ -134,7 +222,15 @@ def test_the_refusals_are_one_line_each(fake_data):
               "--batch-size 63 is the global batch and must split evenly over --replica-groups 2"),
              (["--replica-group", "0", "--snapshot", "x.pt"], "ddp_ft.py does not take --snapshot"),
              (["--replica-group", "0", "--precision", "fp16", "--compile"],
-              "ddp_ft.py does not take --precision fp16, --compile")]
+              "ddp_ft.py does not take --precision fp16, --compile"),
+             (["--replica-group", "0", "--fragments", "3"], "--fragments and --overlap are DiLoCo's: give --sync-every"),
+             (["--replica-group", "0", "--sync-every", "12", "--fragments", "4"],
+              "--fragments 4 is more than 3: torchft's fragments are whole modules"),
+             (["--replica-group", "0", "--sync-every", "59", "--fragments", "3"],
+              "--sync-every 59 must be a multiple of --fragments 3 (torchft syncs a fragment every H/F steps): use "
+              "--sync-every 60"),
+             (["--replica-group", "0", "--sync-every", "60", "--fragments", "3", "--overlap", "20"],
+              "--overlap 20 must be below --sync-every/--fragments = 20")]
     restarts = "ddp_ft.py runs without torchrun's --max-restarts and TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
     envs = [{}] * len(cases) + [{"TORCHELASTIC_MAX_RESTARTS": "3"}, {"TORCHELASTIC_USE_AGENT_STORE": "False"}]
     cases += [(["--replica-group", "0"], restarts)] * 2  # torchrun's environment for each (the Manager would wait)

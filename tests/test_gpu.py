@@ -545,6 +545,34 @@ def test_a_torchft_group_on_nccl_trains_chapter_1s_model(real_data, cuda_referen
     assert difference <= SAME_MODEL
 
 
+@pytest.mark.skipif(not FT, reason="torchft is not installed here (carry its wheel for this Python to the GPU machine)")
+def test_torchfts_diloco_on_nccl_trains_chapter_1s_model(real_data, cuda_reference, tmp_path):
+    """Chapter 12's --sync-every on a GPU: torchft's DiLoCo in one replica group, its pseudo-gradients all-reduced
+    through ProcessGroupNCCL on a CUDA stream of torchft's, its backup weights in pinned CPU memory. With outer lr 1
+    and no outer momentum each sync steps to the group's own weights: chapter 1's CUDA model. Three fragments with
+    --overlap 1 (the all-reduce waited a step later) train and save."""
+    port = free_port()
+    lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1",
+                                   "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"], start_new_session=True)
+    try:
+        runs = [run([*TORCHRUN, "--standalone", "--nproc-per-node", "1", "ddp_ft.py", "--replica-group", "0",
+                     "--replica-groups", "1", "--lighthouse", f"http://127.0.0.1:{port}", *SLICE, "--data-dir",
+                     real_data, "--output", tmp_path / name, *flags])
+                for name, flags in (("h5", ["--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0"]),
+                                    ("f3", ["--sync-every", "6", "--fragments", "3", "--overlap", "1"]))]
+    finally:
+        lighthouse.kill()
+    # the first quorum: at the first sync (step 5), or where F = 3's first all-reduce starts (2 - K = step 1)
+    for proc, first_quorum, syncs in zip(runs, (5, 1), (8, 20)):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "Using cuda:0 device" in proc.stdout, proc.stdout
+        assert f"step {first_quorum}: quorum of 1 replica group" in proc.stdout, proc.stdout
+        assert f"Done! {syncs} syncs committed, 0 retried" in proc.stdout, proc.stdout
+    difference = max_abs_diff(cuda_reference, load_state(tmp_path / "h5" / "model.pth"))
+    print(f"ddp_ft.py --sync-every 5 on NCCL vs chapter 1 on the GPU: max |Δ| = {difference:.3e}")
+    assert difference <= SAME_MODEL
+
+
 @pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs: 2-D, 2 data-parallel rows x 2 tensor-parallel ranks")
 def test_four_gpus_train_chapter_1s_model_in_2d(real_data, cuda_reference, tmp_path):
     argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "4", "tensor_parallel.py", "--dp", "2", *SLICE,

@@ -338,7 +338,22 @@ MUTATIONS = [
         ("ddp_ft.py", "    silent = re.search(CONNECT_TIMED_OUT, str(error))", "    silent = None")),
     bug("ft-quorum-line-never-printed", "ddp_ft.py: one line when the quorum's size changes",
         ["tests/test_fault_tolerance.py::test_two_groups_train_chapter_1s_model"],
-        ("ddp_ft.py", "        if size != self.size:\n", "        if False:\n")),
+        ("ddp_ft.py", "        if size != self.size and size:", "        if False:")),
+    bug("ft-diloco-one-outer-optimizer", "ddp_ft.py --sync-every: each fragment's outer step is its own (one outer "
+        "SGD over the model would step the fragments not synced with their inner gradients)",
+        ["tests/test_fault_tolerance.py::test_torchfts_streaming_diloco_saves_the_same_weights_in_both_groups"],
+        ("ddp_ft.py", "    outer = [torch.optim.SGD(fragment.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,\n"
+         "                             nesterov=cfg.outer_momentum > 0) for fragment in fragments]\n",
+         "    outer = torch.optim.SGD(model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,\n"
+         "                            nesterov=cfg.outer_momentum > 0)\n")),
+    bug("ft-diloco-saves-its-own-weights", "ddp_ft.py --sync-every: every group evaluates and saves the shared "
+        "weights (each fragment's last sync), the same in every group",
+        ["tests/test_fault_tolerance.py::test_torchfts_streaming_diloco_saves_the_same_weights_in_both_groups"],
+        ("ddp_ft.py", "        return evaluated\n", "        return model\n")),
+    bug("ft-diloco-gradients-averaged-too", "ddp_ft.py --sync-every: between syncs each group trains alone "
+        "(chapter 11's model)", ["tests/test_fault_tolerance.py::test_torchfts_diloco_trains_chapter_11s_model"],
+        ("ddp_ft.py", "        if diloco is None:\n            average_gradients",
+         "        if True:\n            average_gradients")),
     bug("ft-cut-off-group-ends-in-a-traceback", "ddp_ft.py: a group that gets no quorum within --timeout (its "
         "machine cut off from the lighthouse) ends in one line naming it",
         ["tests/test_fault_tolerance_across_machines.py::"

@@ -30,9 +30,9 @@ SLOWER = {"TESTS_STEP_SECONDS": "0.04"}  # tests/programs/cuda_defaults/sitecust
 STEP_21 = "[  960/19200]"  # the loss line of LONG_FT's step 21 (epoch 1)
 
 
-def lighthouse_command(bind):
+def lighthouse_command(bind, min_replicas=1):
     """The lighthouse as README starts it, listening at bind (host:port)."""
-    return [str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "10000", "--bind", bind]
+    return [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--join_timeout_ms", "10000", "--bind", bind]
 
 
 def group_command(number, args):
