@@ -144,8 +144,9 @@ def main():
         if not any(frame.name == "_async_quorum" for frame in traceback.extract_tb(e.__traceback__)):
             raise
         raise FatalError(f"no quorum from the lighthouse at {cfg.lighthouse} within --timeout {cfg.timeout:g}s: this "
-                         f"machine cannot reach it (the network, or the lighthouse died); once it can, start this "
-                         f"group again and it heals from a live one") from None
+                         f"machine cannot reach it (the network, or the lighthouse died), or fewer groups are alive "
+                         f"than its --min_replicas; once a quorum can form, start this group again and it heals from "
+                         f"a live one") from None
     finally:  # Step 8, teardown: the Manager's server and threads, after an error too
         manager.shutdown(wait=False)
 

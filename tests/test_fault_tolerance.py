@@ -130,6 +130,18 @@ def test_torchfts_streaming_diloco_saves_the_same_weights_in_both_groups(procs, 
 
 
 @needs_torchft
+def test_with_diloco_and_min_replicas_2_a_group_alone_ends_in_one_line(procs, fake_data, tmp_path):
+    """The first sync waits for both groups under a lighthouse at --min_replicas 2, and for no longer than --timeout:
+    a group alone ends there in one line that names the lighthouse's --min_replicas, not in a traceback."""
+    run = start_group(procs, start_lighthouse(procs, min_replicas=2), 0,
+                      ["--data-dir", str(fake_data), "--output", str(tmp_path), "--sync-every", "5", "--timeout", "5"])
+    code, out, err = run.finish(timeout=120)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(errors) == 1 and "within --timeout 5s" in errors[0], err[-3000:]
+    assert "or fewer groups are alive than its --min_replicas" in errors[0], errors
+
+
+@needs_torchft
 def test_with_diloco_a_killed_group_heals_at_a_sync(procs, lighthouse, real_data, tmp_path):
     """--sync-every 10: group 1 killed at step 21 and started again trains alone until its first sync, heals there
     from group 0 (the shared weights, each group's weights and momentum, torchft's step) and syncs with it from then
