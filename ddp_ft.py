@@ -240,10 +240,11 @@ def diloco_over_groups(cfg, torchft, manager, model, inner):
                                       fragment_sync_delay=cfg.overlap)
     diloco.__enter__()  # its hooks on the inner optimizer (torchft's DiLoCo is a context manager): for the whole run
     evaluated = NeuralNetwork().to(next(model.parameters()).device)
+    evaluated_parts = split(evaluated)
 
     @torch.no_grad()
     def shared():
-        for part, synced in zip(split(evaluated), diloco._fragments):
+        for part, synced in zip(evaluated_parts, diloco._fragments):
             for param, saved in zip(part.parameters(), synced.original_parameters.values()):
                 param.copy_(saved)
         return evaluated
@@ -309,7 +310,7 @@ class QuorumWatch:
         the next quorum), so that every group trains from step 1 and a run without failures is chapter 1's. Not with
         DiLoCo: its first quorum is at the first sync, and a quorum of ours before it would meet a live group's sync
         (a group started again) with no all-reduce; there a lighthouse with --min_replicas R waits for all R."""
-        if step or self.gathered or self.diloco:
+        if step or self.gathered:  # (with DiLoCo, gathered from the start)
             return
         self.manager.wait_quorum()
         healing = self.transport.received_step is not None  # joined groups that train already: no wait (and it

@@ -153,11 +153,16 @@ def lighthouse_binary():
     return found
 
 
+def start_lighthouse(net, min_replicas=1):
+    """torchft's lighthouse on nodea, as README starts it, on every interface at LIGHTHOUSE_PORT: the process."""
+    return start(net.command(A, [lighthouse_binary(), "--min_replicas", str(min_replicas), "--join_timeout_ms",
+                                 "10000", "--bind", f"[::]:{LIGHTHOUSE_PORT}"]), dict(node_env(), RUST_LOG="warn"))
+
+
 def chapter_12(net, data, out, killed):
     """The lighthouse and group 0 on nodea, group 1 on nodeb; group 1 killed at KILL_LINE and started again if
     killed."""
-    lighthouse = start(net.command(A, [lighthouse_binary(), "--min_replicas", "1", "--join_timeout_ms", "10000",
-                                       "--bind", f"[::]:{LIGHTHOUSE_PORT}"]), dict(node_env(), RUST_LOG="warn"))
+    lighthouse = start_lighthouse(net)
     group_env = dict(node_env(), TORCHFT_LIGHTHOUSE=f"http://{A}:{LIGHTHOUSE_PORT}")
 
     def group(g):

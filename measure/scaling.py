@@ -65,7 +65,7 @@ from common.ranks import destroy_process_group  # noqa: E402
 from measure import harness  # noqa: E402
 from measure.harness import NODES, PORT, PROFILER_DTYPES, RATES, kib, sent_by_ring, write_json  # noqa: E402
 from measure.netns import tc_bits  # noqa: E402
-from measure.restart_or_heal import lighthouse_binary  # noqa: E402
+from measure.restart_or_heal import LIGHTHOUSE_PORT, start_lighthouse  # noqa: E402
 
 WARMUP = 3  # optimizer steps before the measurement (allocations, the buckets' first all-reduces)
 STEPS = {None: 10, "unlimited": 10, "1gbit": 10, "100mbit": 5, "10mbit": 5}  # measured, per link (None: alone)
@@ -154,7 +154,6 @@ WHOLE_NAMES.update({name: ("torchft's DiLoCo (chapter 12), " if name in FT_ROWS 
                     + " ".join(WHOLE_ROWS[name][0]) for name in DILOCO_ROWS})
 WHOLE_SCRIPTS = {"by_hand": "ddp_by_hand.py", **{name: "ddp_ft.py" if name in FT_ROWS else "diloco.py"
                                                  for name in DILOCO_ROWS}}
-LIGHTHOUSE_PORT = 29510
 
 
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---
@@ -558,9 +557,7 @@ def run_whole(name, rate, net, data_dir, tmp):
         procs = [harness.start(harness.torchrun(None, ["single_gpu.py", *args]), harness.env(OMP_NUM_THREADS="1"))]
     elif name in FT_ROWS:  # the lighthouse on nodea (--min_replicas 2: the first sync waits for both groups), then
         sent = net.sent_bytes()  # a replica group on each machine, its own torchrun, saving beside the other's
-        lighthouse = harness.start(net.command("nodea", [lighthouse_binary(), "--min_replicas", "2",
-                                                         "--join_timeout_ms", "10000", "--bind",
-                                                         f"[::]:{LIGHTHOUSE_PORT}"]), harness.env(RUST_LOG="warn"))
+        lighthouse = start_lighthouse(net, min_replicas=2)
         procs = harness.on_two(net, lambda i, node: [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "ddp_ft.py",
             "--replica-group", str(i), "--lighthouse", f"http://{NODES['nodea']}:{LIGHTHOUSE_PORT}", *args,

@@ -10,7 +10,7 @@ import torch
 from support.fault_tolerance import (HAS_TORCHFT, LONG_FT, SLOWER, STEP_21, TORCH_2_7, finished,
                                      lighthouse_command, needs_torchft, start_group)
 from support.ports import free_port
-from support.run import BASE_ENV, TORCHRUN, run_code, run_forked, run_script
+from support.run import BASE_ENV, run_code, run_forked, run_script, torchrun_script
 from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
 
 
@@ -88,8 +88,7 @@ def both_groups(procs, lighthouse, real_data, tmp_path, flags):
 
 def diloco_py(procs, real_data, out, flags):
     """Chapter 11 on two ranks on SLICE: its stdout."""
-    code, stdout, err = procs.wait(procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "diloco.py",
-                                                *slice_args(real_data, out), "--timeout", "60", *flags], env=BASE_ENV))
+    code, stdout, err = torchrun_script("diloco.py", 2, [*slice_args(real_data, out), "--timeout", "60", *flags], procs)
     assert code == 0, err
     return stdout
 

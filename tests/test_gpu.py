@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -522,21 +523,28 @@ def test_two_gpus_train_chapter_1s_model(script, extra, real_data, cuda_referenc
     assert difference <= SAME_MODEL
 
 
+@contextmanager
+def lighthouse_on_loopback():
+    """torchft's lighthouse for one replica group on a free loopback port, killed afterwards: its address."""
+    port = free_port()
+    lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1",
+                                   "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"], start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        lighthouse.kill()
+
+
 @pytest.mark.skipif(not FT, reason="torchft is not installed here (carry its wheel for this Python to the GPU machine)")
 def test_a_torchft_group_on_nccl_trains_chapter_1s_model(real_data, cuda_reference, tmp_path):
     """Chapter 12 on a GPU: one replica group (--replica-groups 1 --min-replicas 1) under a lighthouse, its gradients
     averaged through torchft's ProcessGroupNCCL (a quorum of one), chapter 1's CUDA weights; --torchft-log shows
     torchft's own lines. What one GPU cannot show (two groups, a kill, healing over NCCL) is in docs/tests.md."""
-    port = free_port()
-    lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1",
-                                   "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"], start_new_session=True)
-    try:
+    with lighthouse_on_loopback() as lighthouse:
         argv = [*TORCHRUN, "--standalone", "--nproc-per-node", "1", "ddp_ft.py", "--replica-group", "0",
-                "--replica-groups", "1", "--min-replicas", "1", "--lighthouse", f"http://127.0.0.1:{port}",
+                "--replica-groups", "1", "--min-replicas", "1", "--lighthouse", lighthouse,
                 "--torchft-log", *SLICE, "--data-dir", real_data, "--output", tmp_path]
         proc = run(argv)
-    finally:
-        lighthouse.kill()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Using cuda:0 device" in proc.stdout and "step 1: quorum of 1 replica group" in proc.stdout, proc.stdout
     assert "Done! 40 steps committed, 0 retried" in proc.stdout and "Quorum" in proc.stdout + proc.stderr, proc.stderr[-3000:]
@@ -551,17 +559,12 @@ def test_torchfts_diloco_on_nccl_trains_chapter_1s_model(real_data, cuda_referen
     through ProcessGroupNCCL on a CUDA stream of torchft's, its backup weights in pinned CPU memory. With outer lr 1
     and no outer momentum each sync steps to the group's own weights: chapter 1's CUDA model. Three fragments with
     --overlap 1 (the all-reduce waited a step later) train and save."""
-    port = free_port()
-    lighthouse = subprocess.Popen([LIGHTHOUSE, "--min_replicas", "1",
-                                   "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"], start_new_session=True)
-    try:
+    with lighthouse_on_loopback() as lighthouse:
         runs = [run([*TORCHRUN, "--standalone", "--nproc-per-node", "1", "ddp_ft.py", "--replica-group", "0",
-                     "--replica-groups", "1", "--lighthouse", f"http://127.0.0.1:{port}", *SLICE, "--data-dir",
+                     "--replica-groups", "1", "--lighthouse", lighthouse, *SLICE, "--data-dir",
                      real_data, "--output", tmp_path / name, *flags])
                 for name, flags in (("h5", ["--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0"]),
                                     ("f3", ["--sync-every", "6", "--fragments", "3", "--overlap", "1"]))]
-    finally:
-        lighthouse.kill()
     # the first quorum: at the first sync (step 5), or where F = 3's first all-reduce starts (2 - K = step 1)
     for proc, first_quorum, syncs in zip(runs, (5, 1), (8, 20)):
         assert proc.returncode == 0, proc.stdout + proc.stderr
