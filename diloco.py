@@ -93,13 +93,19 @@ def train(cfg, ctx):
     output = prepare_output(cfg.output)
     time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 
-    # Step 3, init (continued): two process groups. The N ranks of a copy (one machine: torchrun numbers its ranks in
-    # a row) average their gradients every step in `replica`; `across` joins the ranks at one place in every copy.
-    n, copies = cfg.ranks_per_replica, ctx.world_size // cfg.ranks_per_replica
-    replica, across = None, None  # None: the default group, all ranks (one rank per copy)
-    if n > 1:
-        replica, _ = dist.new_subgroups_by_enumeration([list(range(r, r + n)) for r in range(0, ctx.world_size, n)])
-        across, _ = dist.new_subgroups_by_enumeration([list(range(i, ctx.world_size, n)) for i in range(n)])
+    # Step 3, init (continued): the outer sync's own process groups, each waiting --timeout at most, as the default
+    # group does (a new group would otherwise wait torch's default: 10 minutes on NCCL, 30 on gloo). The outer
+    # all-reduce runs in `across`, never in the group the loss lines use: NCCL runs each group's collectives on a
+    # stream of its own, so a loss line does not wait behind a sync in flight.
+    wait, n, copies = timedelta(seconds=cfg.timeout), cfg.ranks_per_replica, ctx.world_size // cfg.ranks_per_replica
+    if n == 1:  # one rank per copy: `across` holds every rank, in a group of its own
+        replica, across = None, dist.new_group(timeout=wait)
+    else:  # a copy's N ranks (one machine: torchrun numbers its ranks in a row) average gradients in `replica`;
+        # `across` joins the ranks at one place in every copy
+        replica, _ = dist.new_subgroups_by_enumeration([list(range(r, r + n)) for r in range(0, ctx.world_size, n)],
+                                                       timeout=wait)
+        across, _ = dist.new_subgroups_by_enumeration([list(range(i, ctx.world_size, n)) for i in range(n)],
+                                                      timeout=wait)
 
     # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
     # Copy c's N ranks take what rank c of `copies` ranks would (so a copy trains alike at any N), dealt among them.

@@ -91,6 +91,31 @@ def test_the_epoch_is_evaluated_on_the_shared_weights(real_data, tmp_path, procs
     assert logged["test_accuracy"] == accuracy and logged["test_loss"] == pytest.approx(loss, abs=2e-6)
 
 
+GROUPS_AND_COLLECTIVES = "tests/programs/groups_and_collectives.py"
+
+
+@pytest.mark.parametrize("world,n", [(2, 1), (4, 2)], ids=["one-rank-per-copy", "two-ranks-per-copy"])
+def test_every_group_waits_timeout_and_the_outer_sync_has_its_own(world, n, real_data, tmp_path, procs):
+    """Every process group the chapter makes waits --timeout at most, as the default group does (a stuck peer ends
+    the run, not 10 or 30 minutes later); the outer all-reduces run in a group of their own, never in the one the
+    loss and accuracy lines' sums use (on NCCL each group has its own stream: a line would wait behind a sync in
+    flight). Streaming, so that syncs are in flight while lines are summed."""
+    records = tmp_path / "records"
+    flags = [*slice_args(real_data, tmp_path), "--epochs", "1", "--timeout", "37", *STREAMING,
+             "--ranks-per-replica", str(n)]
+    p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), GROUPS_AND_COLLECTIVES, records,
+                     "diloco.py", *flags])
+    code, _, err = procs.wait(p)
+    assert code == 0, err
+    for rank in range(world):
+        seen = json.loads((records / f"rank_{rank}.json").read_text())
+        assert len({g["name"] for g in seen["groups"]}) == (3 if n > 1 else 2), seen["groups"]  # the default, ours
+        assert {g["timeout"] for g in seen["groups"]} == {37.0}, seen["groups"]
+        outer = {c["group"] for c in seen["all_reduces"] if c["numel"] > 1000}  # pseudo-gradients: a fragment each
+        lines = {c["group"] for c in seen["all_reduces"] if c["dtype"] == "float64"}  # all_reduce_sum's
+        assert outer and lines and not outer & lines, (outer, lines)
+
+
 # The chapter's DiLoCo on one rank (gloo), after each of 13 inner steps of random gradients: every all-reduce it
 # starts (dtype, numbers, async) with the step it starts at and the step its wait comes at; and the shared weights
 # against the outer step written out (Nesterov SGD on the pseudo-gradient, its momentum kept across syncs).

@@ -8,6 +8,7 @@ them on the GPUs it was given (CUDA_VISIBLE_DEVICES is honoured):
 
 The tests print their measured spreads (CUDA against the CPU, two GPUs against one); RUN.md has a real run.
 """
+import json
 import os
 import re
 import subprocess
@@ -46,7 +47,8 @@ DEVICE, BACKEND = ("cpu", "gloo") if DRY_RUN else ("cuda:0", "nccl")
 def _only_the_twins_on_the_cpu(request):
     if DRY_RUN and not torch.cuda.is_available() and request.function.__name__ not in (
             "test_each_feature_on_cuda", "test_a_resumed_run_on_cuda_is_the_uninterrupted_one",
-            "test_timeline_shows_one_step_on_the_gpu"):
+            "test_timeline_shows_one_step_on_the_gpu",
+            "test_diloco_on_nccl_groups_wait_timeout_and_the_outer_sync_has_its_own"):
         pytest.skip("TEST_GPU_ON_CPU=1 runs the twins alone")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GIVEN = os.environ.get("CUDA_VISIBLE_DEVICES")  # the GPUs this run was given: indices, UUIDs or MIG names
@@ -521,6 +523,24 @@ def test_two_gpus_train_chapter_1s_model(script, extra, real_data, cuda_referenc
     difference = max_abs_diff(cuda_reference, load_state(tmp_path / "model.pth"))
     print(f"{script} on 2 GPUs vs chapter 1 on one: max |Δ| = {difference:.3e}")
     assert difference <= SAME_MODEL
+
+
+def test_diloco_on_nccl_groups_wait_timeout_and_the_outer_sync_has_its_own(real_data, tmp_path):
+    """Chapter 11 on NCCL (one GPU, one rank): every process group it makes holds --timeout, and the outer
+    all-reduces run in an NCCL group of their own, never in the one the loss lines' sums use (each NCCL group has its
+    own stream: there a line does not wait behind a sync in flight). tests/programs/groups_and_collectives.py writes
+    down what the chapter made and called; streaming, so that syncs are in flight while lines are summed."""
+    records = tmp_path / "records"
+    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node", "1", "tests/programs/groups_and_collectives.py",
+                records, "diloco.py", *SLICE, "--data-dir", real_data, "--output", tmp_path, "--timeout", "37",
+                "--sync-every", "6", "--fragments", "3", "--overlap", "2"])
+    assert proc.returncode == 0, proc.stderr
+    assert f"backend={BACKEND}" in proc.stdout, proc.stdout
+    seen = json.loads((records / "rank_0.json").read_text())
+    assert len({g["name"] for g in seen["groups"]}) == 2 and {g["timeout"] for g in seen["groups"]} == {37.0}, seen
+    outer = {c["group"] for c in seen["all_reduces"] if c["numel"] > 1000}
+    lines = {c["group"] for c in seen["all_reduces"] if c["dtype"] == "float64"} | {"0"}  # one rank: no sums made
+    assert outer and not outer & lines, (outer, lines)  # (the default group's name is "0")
 
 
 @contextmanager
