@@ -7,7 +7,8 @@
 
 It runs the chapter unchanged under torchrun for a few optimizer steps (the chapter gains no profiling line: this
 script's worker wraps it), records every rank with torch's profiler on every thread (gloo runs its collectives on
-threads of its own), and chapter 1 alone as the baseline, and writes into --out:
+threads of its own), and chapter 1 alone as the baseline (with the chapter's flags that every chapter takes: the same
+global batch, data folder, precision), and writes into --out:
     rank<N>.json   each rank's own trace (Chrome's trace format), on its own clock
     trace.json     every rank in one trace on rank 0's clock, a process row per rank; Perfetto (ui.perfetto.dev) and
                    chrome://tracing open it
@@ -25,11 +26,12 @@ import math
 import re
 import statistics
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for measure/ and common/
 
-from common.cli import UsageError, run_main  # noqa: E402
+from common.cli import FIELDS, Config, UsageError, parse_config, run_main  # noqa: E402
 from measure import harness  # noqa: E402
 from measure.harness import DTYPE_BYTES, PROFILER_DTYPES  # noqa: E402
 
@@ -431,6 +433,22 @@ def record(args, out, ranks, worker_cmd):
     (out / "chapter.log").write_text(printed)  # what the chapter printed (rank 0's lines)
 
 
+def flags_chapter_1_takes(flags):
+    """Of the chapter's flags, those every chapter takes (common/cli.py's Config: --batch-size, --data-dir, ...), with
+    their values: chapter 1's row runs with them, on the same global batch and data. The chapter's own flags are left
+    out, with their value (the word after one, unless it is a flag itself)."""
+    switches = {f.name for f in fields(Config) if f.metadata["kind"] is bool}
+    kept, i = [], 0
+    while i < len(flags):
+        name = flags[i][2:].split("=")[0].replace("-", "_") if flags[i].startswith("--") else None
+        takes_value = bool(name) and "=" not in flags[i] and name not in switches and i + 1 < len(flags) \
+            and not flags[i + 1].startswith("--")
+        if name in FIELDS:
+            kept += flags[i:i + 1 + takes_value]
+        i += 1 + takes_value
+    return kept
+
+
 def drawn_steps(windows_of, window):
     """Which recorded steps are drawn: the median by length (first rank's start to last rank's end) for one, else
     the first `window`; their index and each rank's (start, end)."""
@@ -470,9 +488,9 @@ def main():
     (out / "baseline").mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("rank*.json"), *out.glob("baseline/rank*.json")]:
         old.unlink()
-    steps = args.warmup + args.steps
+    steps, baseline_flags = args.warmup + args.steps, flags_chapter_1_takes(args.flags)
     common = ["--epochs", "1", "--log-every", "100000", "--test-samples", "1000", "--train-samples",
-              str(steps * 64)]  # the chapters' default batch: 64
+              str(steps * parse_config(baseline_flags).batch_size)]  # the global batch: the chapter's and chapter 1's
     command = lambda chapter, folder, flags: [
         *harness.worker_command(__file__, chapter, folder.resolve(), warmup=args.warmup, steps=args.steps), *common,
         "--output", str(folder / "run"), *flags]
@@ -492,7 +510,9 @@ def main():
         ends[name] = (step[rank][1] - origin) / 1e3
         lengths[name] = (step[rank][1] - step[rank][0]) / 1e3
     if not args.no_baseline:  # chapter 1 alone on the same global batch, its median step from its own start
-        harness.run(harness.torchrun(None, command(BASELINE, out / "baseline", [])), f"{BASELINE} under the profiler")
+        printed = harness.run(harness.torchrun(None, command(BASELINE, out / "baseline", baseline_flags)),
+                              f"{BASELINE} under the profiler")
+        (out / "baseline" / "chapter.log").write_text(printed)
         alone = json.loads((out / "baseline" / "rank0.json").read_text())["traceEvents"]
         alone = [dict(e, pid=0) for e in alone if "ts" in e]
         _, (window,) = drawn_steps([windows(alone, 0)], args.window)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from measure.timeline import collective_bytes, merge, step_events
+from measure.timeline import ROUNDS, clock_offsets, collective_bytes, merge, step_events
 from support import REPO
 from support.run import BASE_ENV
 from support.traces import COLLECTIVES, recorded_steps
@@ -170,12 +170,53 @@ def test_diloco_outer_all_reduce_runs_under_the_inner_steps(tmp_path):
     assert_obeys_physics(tmp_path, 2, steps=8)
 
 
-def test_merge_recovers_a_clock_skew_planted_in_one_rank(tmp_path):
+def bounced(offset, delays):
+    """Two ranks' clock marks as clock_marks() records them, made up: rank 1's clock `offset` µs ahead of rank 0's,
+    each round's tensor taking (there, back) µs on the wire; the rounds 1 ms apart."""
+    rank0, rank1 = [], []
+    for i, (there, back) in enumerate(delays):
+        sent = 1_000_000.0 + 1000 * i
+        rank0 += [dict(name=f"timeline:clock 1 {i} send", ts=sent), dict(name=f"timeline:clock 1 {i} back",
+                                                                          ts=sent + there + back)]
+        rank1.append(dict(name=f"timeline:clock 1 {i} got", ts=sent + there + offset))
+    return [rank0, rank1]
+
+
+SLOWER_ROUNDS = [(40.0 + i, 45.0 + 2 * i) for i in range(1, ROUNDS)]  # the fastest round is the one that counts
+
+
+@pytest.mark.parametrize("offset", [0.0, 5_000_000.0, -123_456.789])
+def test_the_clock_offset_is_the_skew_when_the_wire_is_symmetric(offset):
+    """A tensor that takes as long there as back arrives halfway through rank 0's round trip: the offset read from
+    the fastest round is the skew exactly (to float rounding), its bound half that round's trip."""
+    measured, bound = clock_offsets(bounced(offset, [(12.5, 12.5), *SLOWER_ROUNDS]))[1]
+    assert measured == pytest.approx(offset, abs=1e-6) and bound == 12.5
+
+
+@pytest.mark.parametrize("there,back", [(24.0, 1.0), (1.0, 24.0), (0.0, 25.0)])
+def test_an_asymmetric_wire_moves_the_offset_by_at_most_the_bound_it_prints(there, back):
+    """Where the way there and the way back differ (one direction queued behind other traffic), the offset is off by
+    half their difference: never more than the bound the script prints (half the round trip), and by exactly that
+    half-difference, so the bound is tight where one way takes all the time."""
+    measured, bound = clock_offsets(bounced(777.0, [(there, back), *SLOWER_ROUNDS]))[1]
+    assert bound == (there + back) / 2
+    assert measured - 777.0 == pytest.approx((there - back) / 2, abs=1e-6)
+    assert abs(measured - 777.0) <= bound
+
+
+def test_merge_recovers_a_clock_skew_planted_in_one_rank(real_data, tmp_path):
     """Ranks on two machines read two clocks. Rank 1's whole trace moved 5 s ahead (as another machine's clock
     would be) merges into the same trace: the offset the script measures from the bounced tensor is the skew, to
-    float rounding; unskewed, the two ranks share this machine's clock and the offset is 0 within its stated error. Then chapter 1's baseline row and each rank's shares
-    are drawn: compute, waiting on the wire and idle add up to the step."""
-    timeline(tmp_path / "run", "ddp_launch.py", baseline=True)
+    float rounding; unskewed, the two ranks share this machine's clock and the offset is 0 within its stated error.
+    Then chapter 1's baseline row and each rank's shares are drawn: compute, waiting on the wire and idle add up to
+    the step. The data is outside ./data and the global batch is not the default: chapter 1's row runs with both."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "FashionMNIST").symlink_to(real_data / "FashionMNIST")
+    timeline(tmp_path / "run", "ddp_launch.py", "--data-dir", elsewhere, "--batch-size", "128", baseline=True)
+    chapter_1 = (tmp_path / "run" / "baseline" / "chapter.log").read_text()
+    assert "batch_size=128" in chapter_1 and f"data_dir={elsewhere}" in chapter_1, chapter_1
+    assert f"train_samples={8 * 128}" in chapter_1, chapter_1  # 3 steps' warm-up and 5 recorded, each of 128 images
     printed = json.loads((tmp_path / "run" / "step.json").read_text())
     assert set(printed["rows"]) == {"rank 0", "rank 1", "chapter 1"}, printed["rows"].keys()
     for name, row in printed["rows"].items():

@@ -212,6 +212,13 @@ MUTATIONS = [
         ("measure/timeline.py", "    offsets = clock_offsets(traces)\n",
          '    starts = [min(e["ts"] for e in t if e.get("name") == MARK + "start") for t in traces]\n'
          "    offsets = [(s - starts[0], 0.0) for s in starts]\n")),
+    bug("timeline-offset-biased-by-its-bound", "the timeline's clock offset is the skew where the wire is symmetric, "
+        "off by at most the bound it prints where it is not",
+        ["tests/test_timeline.py::test_the_clock_offset_is_the_skew_when_the_wire_is_symmetric[0.0]"],
+        ("measure/timeline.py", 'marks[peer][str(peer), i, "got"] - (sent + back) / 2', 'marks[peer][str(peer), i, "got"] - sent')),
+    bug("timeline-baseline-without-the-chapters-flags", "the timeline's chapter-1 row runs on the chapter's global "
+        "batch and data folder", ["tests/test_timeline.py::test_merge_recovers_a_clock_skew_planted_in_one_rank"],
+        ("measure/timeline.py", 'command(BASELINE, out / "baseline", baseline_flags)', 'command(BASELINE, out / "baseline", [])')),
     bug("timeline-gpu-copy-counted", "the timeline draws each NCCL collective once (torch's trace holds a GPU copy)",
         ["tests/test_timeline.py::test_a_gpu_ranks_wire_is_its_nccl_kernels_each_collective_once"],
         ("measure/timeline.py", """    return e["name"].startswith(("gloo:", "nccl:")) and e.get("cat") != "gpu_user_annotation\"""",
@@ -313,8 +320,17 @@ MUTATIONS = [
     bug("diloco-copy-spans-machines", "DiLoCo with --ranks-per-replica N: a copy is N ranks in a row (one machine), so "
         "only the outer sync crosses the link", ["tests/test_multinode.py::"
                                                 "test_diloco_on_two_machines_of_two_ranks_syncs_only_the_outer_step_across"],
-        ("diloco.py", "new_subgroups_by_enumeration([list(range(r, r + n)) for r in range(0, ctx.world_size, n)])",
-         "new_subgroups_by_enumeration([list(range(i, ctx.world_size, n)) for i in range(n)])")),
+        ("diloco.py", "new_subgroups_by_enumeration([list(range(r, r + n)) for r in range(0, ctx.world_size, n)],",
+         "new_subgroups_by_enumeration([list(range(i, ctx.world_size, n)) for i in range(n)],")),
+    bug("diloco-groups-wait-torchs-default", "every process group a chapter makes waits --timeout at most (torch's "
+        "default for a new group: 10 minutes on NCCL, 30 on gloo)",
+        ["tests/test_diloco.py::test_every_group_waits_timeout_and_the_outer_sync_has_its_own[two-ranks-per-copy]"],
+        ("diloco.py", "for r in range(0, ctx.world_size, n)],\n                                                       timeout=wait)",
+         "for r in range(0, ctx.world_size, n)])")),
+    bug("diloco-outer-sync-on-the-default-group", "DiLoCo's outer all-reduce runs in a group of its own, never in the "
+        "one the loss lines' sums use (NCCL: a stream per group)",
+        ["tests/test_diloco.py::test_every_group_waits_timeout_and_the_outer_sync_has_its_own[one-rank-per-copy]"],
+        ("diloco.py", "replica, across = None, dist.new_group(timeout=wait)", "replica, across = None, None")),
     # --- Chapter 12: torchft's quorum, its average, healing ---
     bug("ft-healed-keeps-stale-weights", "ddp_ft.py: a restarted group heals from a live one: its weights",
         ["tests/test_fault_tolerance.py::test_a_killed_group_heals_from_the_live_one_which_never_restarts"],
