@@ -417,7 +417,7 @@ def main():
         raise
     finally:
         watch.stop()
-        destroy_process_group()  # dist.destroy_process_group(), without torch 2.6's hang (common/ranks.py)
+        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def main():
     try:
         train(cfg, ctx)  # steps 4 to 7, below
     finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
-        destroy_process_group()  # dist.destroy_process_group(), without torch 2.6's hang (common/ranks.py)
+        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
 
 
 def train(cfg, ctx):

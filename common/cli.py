@@ -166,14 +166,25 @@ def explain(error):
     return next((say(m) for pattern, say in EXPLAINED for m in [re.search(pattern, str(error))] if m), None)
 
 
-def stop(error, rank=None):
-    """End the process for an error: a recognised one in one line, anything else with Python's traceback first."""
+def say(error, rank=None):
+    """Write an error's line once: a recognised one alone, anything else after Python's traceback. A rank says it
+    before its teardown (common/ranks.py's destroy_process_group), which on NCCL may wait; stop() then adds nothing."""
+    if getattr(error, "said", False):
+        return
     rank, line, shown = RANK[0] if rank is None else rank, explain(error), ""
     if line is None:  # not recognised: its whole message and where it came from, as `python` prints them
         shown = "".join(traceback.format_exception(error))
         line = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]} (the traceback above)"
     prefix = f"[rank {rank}] " if rank is not None and not line.startswith("[rank") else ""
     sys.stderr.write(f"{shown}error: {prefix}{line}\n")  # one write: other ranks' lines cannot land inside it
+    sys.stderr.flush()
+    with contextlib.suppress(AttributeError):  # (an exception type with __slots__ takes no new attribute)
+        error.said = True
+
+
+def stop(error, rank=None):
+    """End the process for an error: its line (say), then its exit code."""
+    say(error, rank)
     end_process(getattr(error, "exit_code", 1))
 
 

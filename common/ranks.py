@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.cli import EXPLAINED, RANK, FatalError, UsageError, flag_text
+from common.cli import EXPLAINED, RANK, FatalError, UsageError, flag_text, say
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,17 @@ def print0(ctx, *args):
 
 
 def destroy_process_group():
-    """dist.destroy_process_group(); the backends freed after it, each letting go of the GIL (troubleshooting.md)."""
+    """dist.destroy_process_group() in a chapter's `finally`; the backends freed after it, each letting go of the GIL
+    (troubleshooting.md). On the way out of an error, the error's line first, and the groups left without a wait."""
+    error = sys.exc_info()[1]  # in a `finally`: the error on its way out, if there is one
+    if error is not None and dist.is_initialized():
+        # The error's line now, before any teardown. Since torch 2.6, NCCL's teardown first finishes every collective
+        # this rank queued, and one that no peer will match never ends: the communicators are aborted instead.
+        if isinstance(error, Exception):  # (Ctrl-C: run_main says "interrupted")
+            say(error)
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()  # every group's (torch's own; on gloo it does nothing)
+        return  # the process ends next (run_main's os._exit), which closes every connection: gloo's peers see it
     backends = [pg._get_backend(d) for pg in dist.distributed_c10d._world.pg_map for d in pg._device_types]
     dist.destroy_process_group()  # torch 2.6 freed them in here, holding the GIL a gloo thread may need: a deadlock
     del backends

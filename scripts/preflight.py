@@ -158,22 +158,21 @@ def run_rank(rank, local_rank, world_size, ranks_here, cfg, init_method):
     everyone = [None] * world_size
     where = init_method or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"  # None: the spawner's store
     try:
-        store = None if init_method else dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                       is_master=False, timeout=timedelta(seconds=cfg.timeout))
-        dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=cfg.timeout),
-                                device_id=device if device.type == "cuda" else None)  # NCCL connects here
-        dist.all_gather_object(everyone, host)  # the first collective: every rank's host name
-    except Exception as e:
-        if dist.is_initialized():
-            destroy_process_group()
-        why = explain(e) or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        raise FatalError(f"preflight: FAILED: rank {rank} on {host} could not meet the others at {where}: "
-                         f"{why}") from None
-    try:
+        try:
+            store = None if init_method else dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                           is_master=False, timeout=timedelta(seconds=cfg.timeout))
+            dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=cfg.timeout),
+                                    device_id=device if device.type == "cuda" else None)  # NCCL connects here
+            dist.all_gather_object(everyone, host)  # the first collective: every rank's host name
+        except Exception as e:
+            why = explain(e) or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            raise FatalError(f"preflight: FAILED: rank {rank} on {host} could not meet the others at {where}: "
+                             f"{why}") from None
         preflight(ctx, backend, everyone)
     finally:
-        destroy_process_group()
+        if dist.is_initialized():
+            destroy_process_group()  # after an error: its line first, and no wait (common/ranks.py)
 
 
 @spawned

@@ -1,6 +1,7 @@
 """Errors never lie: what is recognised is one line with the fix; anything else keeps its words and traceback."""
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -8,7 +9,7 @@ import torch.distributed as dist
 from common import ranks
 from common.cli import EXPLAINED, FatalError, explain
 from support import REPO
-from support.run import BASE_ENV
+from support.run import BASE_ENV, TORCHRUN
 
 EXPLAINED.extend(x for x in ranks.DISTRIBUTED_ERRORS if x not in EXPLAINED)  # as a rank's name_rank_in_errors does
 
@@ -112,3 +113,19 @@ def test_a_step_of_chapter_12_not_committed_names_a_silent_quorum_store_in_its_o
     lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:13234: "
                         "Connection reset by peer")
     assert not_committed_reason(lost) == explain(lost) and "another rank died" in explain(lost)
+
+
+IN_FLIGHT = "tests/programs/fails_with_a_collective_in_flight.py"
+
+
+def test_a_rank_that_fails_with_a_collective_in_flight_says_its_line_and_leaves_at_once(procs):
+    """Rank 1 fails with an all-reduce queued that rank 0 never joins. Its teardown would wait for it (gloo: until
+    --timeout, here 60 s; NCCL since torch 2.6: until the watchdog ends the process with SIGABRT, and no line): it
+    says its line first and leaves without that wait, and torchrun then stops rank 0."""
+    began = time.monotonic()
+    code, _, err = procs.wait(procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", IN_FLIGHT, "cpu", "60"]),
+                              timeout=150)
+    took = time.monotonic() - began
+    assert code == 1 and err.count("error: [rank 1] RuntimeError: a failure with an all-reduce in flight (the "
+                                   "traceback above)\n") == 1, err
+    assert took < 30, f"{took:.1f}s: rank 1 waited in its teardown"

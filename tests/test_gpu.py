@@ -48,7 +48,8 @@ def _only_the_twins_on_the_cpu(request):
     if DRY_RUN and not torch.cuda.is_available() and request.function.__name__ not in (
             "test_each_feature_on_cuda", "test_a_resumed_run_on_cuda_is_the_uninterrupted_one",
             "test_timeline_shows_one_step_on_the_gpu",
-            "test_diloco_on_nccl_groups_wait_timeout_and_the_outer_sync_has_its_own"):
+            "test_diloco_on_nccl_groups_wait_timeout_and_the_outer_sync_has_its_own",
+            "test_a_chapter_that_fails_on_nccl_says_its_line_once_and_exits_1"):
         pytest.skip("TEST_GPU_ON_CPU=1 runs the twins alone")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GIVEN = os.environ.get("CUDA_VISIBLE_DEVICES")  # the GPUs this run was given: indices, UUIDs or MIG names
@@ -383,6 +384,34 @@ def test_a_killed_nccl_rank_ends_the_other_within_the_timeout(real_data, tmp_pat
     _, err = procs[0].communicate(timeout=300)
     print(f"survivor: exit {procs[0].returncode} after {time.monotonic() - killed:.1f}s\n{err[-3000:]}")
     assert procs[0].returncode != 0 and time.monotonic() - killed < 20 + WATCHDOG_WAIT + 20, err
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs: NCCL gives each rank its own")
+def test_an_nccl_rank_that_fails_with_a_collective_in_flight_says_its_line_and_leaves_at_once():
+    """Rank 1 fails with an all-reduce queued that rank 0 never joins. NCCL's teardown (since torch 2.6) would finish
+    it first, which never happens: the rank would sit there until the watchdog ended it with SIGABRT, its line
+    unsaid. It says its line, its communicators are aborted, and it leaves; torchrun then stops rank 0."""
+    import time
+
+    began = time.monotonic()
+    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
+                "tests/programs/fails_with_a_collective_in_flight.py", "cuda", "600"], env=gpus(2), timeout=300)
+    took = time.monotonic() - began
+    print(f"exit {proc.returncode} after {took:.1f}s\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 1 and "error: [rank 1] RuntimeError: a failure with an all-reduce in flight (the " \
+        "traceback above)" in proc.stderr, proc.stderr
+    assert took < 60
+
+
+def test_a_chapter_that_fails_on_nccl_says_its_line_once_and_exits_1(real_data, tmp_path):
+    """A chapter whose --snapshot is not a snapshot fails after NCCL's init: its one line, once, exit 1, the
+    communicators aborted on the way out (torch's _abort_process_group on this torch's NCCL), not a SIGABRT."""
+    (tmp_path / "snap.pt").write_text("not a snapshot")
+    proc = run([*TORCHRUN, "--standalone", "--nproc-per-node", "1", "ddp_launch.py", *SLICE, "--data-dir", real_data,
+                "--output", tmp_path, "--snapshot", tmp_path / "snap.pt"])
+    assert f"backend={BACKEND}" in proc.stdout, proc.stdout
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]  # (torchrun's summary repeats it)
+    assert proc.returncode == 1 and len(ours) == 1 and "cannot be read (UnpicklingError)" in ours[0], proc.stderr
 
 
 NO_SYNC = textwrap.dedent("""

@@ -73,6 +73,10 @@ MUTATIONS = [
         ("ddp_mp.py", "test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), "
          "batch_size=1000,", "test_loader = DataLoader(test_set, batch_size=1000, sampler=DistributedSampler(test_set, "
          "ctx.world_size, ctx.rank, shuffle=False),")),
+    bug("teardown-before-the-error-line", "a rank that fails says its line before its teardown, which it leaves "
+        "without a wait (NCCL since torch 2.6 finishes every queued collective first: one no peer joins never ends)",
+        ["tests/test_errors.py::test_a_rank_that_fails_with_a_collective_in_flight_says_its_line_and_leaves_at_once"],
+        ("common/ranks.py", "    if error is not None and dist.is_initialized():\n", "    if False:\n")),
     bug("teardown-holds-the-gil", "nothing hangs: a rank leaves the group right after a collective (caught on torch "
         "2.6, `python tests/bugs/planted.py` under .venv-floor; torch 2.14 has no such hang to catch)",
         ["tests/test_rendezvous.py::test_leaving_the_group_after_a_collective_never_hangs"],
