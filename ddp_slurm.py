@@ -3,7 +3,7 @@
     sbatch scripts/job.sh                       # 2 nodes x 4 GPUs, as its #SBATCH lines say; flags after it go here
     srun --nodes 1 --ntasks-per-node 2 python ddp_slurm.py   # interactively, inside or as an allocation
 
-The ranks meet on the job's first node, on a port from the job id (MASTER_ADDR / MASTER_PORT override them), so
+The ranks meet on the step's first node, on a port from the job id (MASTER_ADDR / MASTER_PORT override them), so
 every task computes the same tcp:// address without talking to the others. Time limits and requeue: docs/slurm.md.
 """
 import os
@@ -41,9 +41,10 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # Step 3, init: every task computes the same address by itself: the job's first node, and a port from the job id
-    # (two jobs that share a node get two); MASTER_ADDR and MASTER_PORT override them.
-    master_addr = os.environ.get("MASTER_ADDR") or first_node(os.environ["SLURM_JOB_NODELIST"])
+    # Step 3, init: every task computes the same address by itself: its step's first node (a step may run on some of
+    # the job's nodes), and a port from the job id (two jobs that share a node get two); MASTER_ADDR and MASTER_PORT
+    # override them.
+    master_addr = os.environ.get("MASTER_ADDR") or first_node(os.environ["SLURM_STEP_NODELIST"])
     master_port = os.environ.get("MASTER_PORT") or 20000 + int(os.environ["SLURM_JOB_ID"]) % 10000
     init_method = f"tcp://{master_addr}:{master_port}"
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
@@ -108,7 +109,7 @@ def train(cfg, ctx):
 
 
 def first_node(nodes):
-    """The first host of the job's host list ("gpu[01-03,07]" -> "gpu01") as SLURM itself expands it: `scontrol show
+    """The first host of a SLURM host list ("gpu[01-03,07]" -> "gpu01") as SLURM itself expands it: `scontrol show
     hostnames`, which every SLURM node has (the line most batch scripts find MASTER_ADDR with)."""
     try:
         hosts = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=60)

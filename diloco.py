@@ -9,7 +9,9 @@ diloco.py
 
 The weights cross the network once every H steps instead of the gradients every step (DiLoCo, Douillard et al. 2023,
 arXiv 2311.08105). Streaming DiLoCo (arXiv 2501.18512): --fragments F slices of the weights synced at staggered
-steps, each all-reduce waited --overlap K steps after it starts (the wire runs under the compute), in bf16.
+steps, each all-reduce waited --overlap K steps after it starts (the wire runs under the compute), in bf16. Unlike the
+paper: inner SGD, not AdamW; equal flat slices, not strided layers; bf16 summed in bf16, not 4-bit summed in fp32;
+the inner steps made while a fragment was in flight dropped at its outer step (alpha = 0, torchft's default).
 With --ranks-per-replica N, the N ranks of a machine train one copy together, averaging their gradients every step
 over the fast link inside it (as DDP does); only the outer sync crosses the slow one, each rank carrying 1/N of it.
 """
@@ -93,19 +95,14 @@ def train(cfg, ctx):
     output = prepare_output(cfg.output)
     time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
 
-    # Step 3, init (continued): the outer sync's own process groups, each waiting --timeout at most, as the default
-    # group does (a new group would otherwise wait torch's default: 10 minutes on NCCL, 30 on gloo). The outer
-    # all-reduce runs in `across`, never in the group the loss lines use: NCCL runs each group's collectives on a
-    # stream of its own, so a loss line does not wait behind a sync in flight.
+    # Step 3, init (continued): two groups of ours, each waiting --timeout as the default one does (a new group waits
+    # torch's default: 10 minutes on NCCL, 30 on gloo). A copy's N ranks (one machine's) average gradients in
+    # `replica`; the outer all-reduce runs in `across`, not in the group of the loss lines, which on NCCL (a stream
+    # per group) would otherwise wait behind a sync in flight.
     wait, n, copies = timedelta(seconds=cfg.timeout), cfg.ranks_per_replica, ctx.world_size // cfg.ranks_per_replica
-    if n == 1:  # one rank per copy: `across` holds every rank, in a group of its own
-        replica, across = None, dist.new_group(timeout=wait)
-    else:  # a copy's N ranks (one machine: torchrun numbers its ranks in a row) average gradients in `replica`;
-        # `across` joins the ranks at one place in every copy
-        replica, _ = dist.new_subgroups_by_enumeration([list(range(r, r + n)) for r in range(0, ctx.world_size, n)],
-                                                       timeout=wait)
-        across, _ = dist.new_subgroups_by_enumeration([list(range(i, ctx.world_size, n)) for i in range(n)],
-                                                      timeout=wait)
+    ranks = range(ctx.world_size)
+    replica, _ = dist.new_subgroups_by_enumeration([list(ranks[r:r + n]) for r in ranks[::n]], timeout=wait)
+    across, _ = dist.new_subgroups_by_enumeration([list(ranks[i::n]) for i in range(n)], timeout=wait)
 
     # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
     # Copy c's N ranks take what rank c of `copies` ranks would (so a copy trains alike at any N), dealt among them.
@@ -132,7 +129,7 @@ def train(cfg, ctx):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # the inner optimizer
     # ... then trains alone; every H steps after the inner step, the ranks average how far they moved since the last
     # sync (one all-reduce), and the outer optimizer steps the shared weights with it: every rank continues from them
-    if replica is not None:  # a copy's ranks average their gradients before each inner step, as DDP does
+    if n > 1:  # a copy's ranks average their gradients before each inner step, as DDP does
         optimizer.register_step_pre_hook(lambda *_: average_gradients(model, n, replica))
     diloco = DiLoCo(model, optimizer, cfg, ctx, replica, across, copies)
     optimizer.register_step_post_hook(diloco.after_inner_step)
@@ -209,7 +206,7 @@ class DiLoCo:
         """A fragment's all-reduce waited for; its N parts gathered inside the copy: wire holds the whole sum."""
         if flight[1] is not None:
             flight[1].wait()  # on a GPU: the stream waits (NCCL); gloo's thread has ended the sum
-            if self.replica is not None:
+            if self.n > 1:
                 n, wire = self.n, flight[2]
                 dist.all_gather(list(wire.chunk(n)), wire.chunk(n)[self.ctx.rank % n].clone(), group=self.replica)
             flight[1] = None

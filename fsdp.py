@@ -83,13 +83,12 @@ def train(cfg, ctx):
     # Step 5, wrap: each Linear a unit whose weights are cut into world_size slices (DTensors), gathered whole just
     # before its forward() and freed after; its backward() reduce-scatters the gradient. The root unit comes last.
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # the ranks to shard over: all of them
-    # --precision bf16: gather and compute in bf16, average the gradients in fp32, return float32 outputs (docs/fsdp.md)
-    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    policy = MixedPrecisionPolicy(**bf16) if cfg.precision == "bf16" else MixedPrecisionPolicy()
+    # --precision bf16: gather and compute in bf16, average gradients in fp32, the model's output float32 (docs/fsdp.md)
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else {}
     for layer in model.linear_relu_stack:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16, output_dtype=torch.float32 if bf16 else None))
     if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
@@ -134,7 +133,7 @@ def save_sharded_snapshot(model, optimizer, epochs_done, cfg, ctx):
 
 def load_sharded_snapshot(model, optimizer, cfg, ctx):
     """With --snapshot DIR holding a finished epoch-N: load it into model and optimizer at any world size; else 0."""
-    found = find_sharded_snapshot(cfg)  # (folder, epochs done, ranks that saved it), checked against the flags
+    found = find_sharded_snapshot(cfg, ctx)  # (folder, epochs done, ranks that saved it), checked against the flags
     if found is None:
         return 0
     folder, epochs_done, saved_by = found

@@ -114,12 +114,12 @@ def train(cfg, ctx):
                       output_fn=lambda _, logits, tp_mesh: logits.to_local())
     if cfg.dp > 1:  # 2-D: chapter 7's FSDP2 cuts each rank's slices again, over the dp rows, and averages the rows
         hide_2d_notices()  # two notices torch prints on every rank of a 2-D run; why they ask nothing: below
-        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-        policy = MixedPrecisionPolicy(**bf16) if cfg.precision == "bf16" else MixedPrecisionPolicy()
+        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.precision == "bf16" else {}
         for layer in model.linear_relu_stack:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
-        fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+                fully_shard(layer, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**bf16))
+        fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**bf16, output_dtype=torch.float32 if bf16
+                                                                            else None))  # float32 out of the root alone
     if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)

@@ -6,10 +6,12 @@ import os
 import re
 import shutil
 import signal
+import socket
 import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from common.cli import FatalError, flag_text
 from common.ranks import all_reduce_sum, print0
@@ -184,7 +186,7 @@ def sharded_snapshot_errors(what, fix=FIX):
 
 
 def finish_sharded_snapshot(folder, epochs_done, cfg, ctx):
-    """Rank 0's folder/snapshot.pt makes the sharded snapshot count (older epoch-* folders go); all learn if so."""
+    """Rank 0's folder/snapshot.pt makes the sharded snapshot count (older epoch-* go); every rank must see it."""
     def write():
         atomic_save(dict(format=SHARDED_FORMAT, epochs_done=epochs_done, world_size=ctx.world_size,
                          config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS}), folder / "snapshot.pt")
@@ -193,10 +195,23 @@ def finish_sharded_snapshot(folder, epochs_done, cfg, ctx):
                 shutil.rmtree(old)
 
     on_rank0_then_all_reduce(write, ctx, f"finish the snapshot {folder}")
+    seen = (folder / "snapshot.pt").exists()
+    check_one_folder(f"{'sees' if seen else 'does not see'} rank 0's {folder.name}/snapshot.pt", ctx, cfg)
 
 
-def find_sharded_snapshot(cfg):
-    """(folder, epochs done, saving world size) of the newest finished snapshot, checked against this run; or None."""
+def check_one_folder(view, ctx, cfg):
+    """Every rank's view of the --snapshot folder compared (an all-gather): one line on every rank if they differ."""
+    dist.all_gather_object(everyone := [None] * ctx.world_size, (socket.gethostname(), view))
+    for rank, (host, theirs) in enumerate(everyone):
+        if theirs != view:
+            raise FatalError(f"--snapshot {cfg.snapshot}: rank {ctx.rank} (on {socket.gethostname()}) {view}, rank "
+                             f"{rank} (on {host}) {theirs}: every rank writes and reads its part of a sharded snapshot "
+                             f"there, so it must be a folder all the machines share (NFS, Lustre, ...)")
+
+
+def find_sharded_snapshot(cfg, ctx):
+    """(folder, epochs done, saving world size) of the newest finished snapshot, the same on every rank and checked
+    against this run; or None."""
     if not cfg.snapshot:
         return None
     root = Path(cfg.snapshot)
@@ -206,6 +221,7 @@ def find_sharded_snapshot(cfg):
     prepare_output(root, "--snapshot")  # fail now, not after the first epoch
     number = lambda folder: int(folder.name[6:]) if folder.name[6:].isdigit() else -1  # noqa: E731  (epoch-N)
     finished = sorted((p.parent for p in root.glob("epoch-*/snapshot.pt")), key=number)
+    check_one_folder(f"finds {finished[-1].name}" if finished else "finds no finished snapshot", ctx, cfg)
     if not finished:
         return None
     about = read_snapshot(finished[-1] / "snapshot.pt", SHARDED_FORMAT)

@@ -167,8 +167,7 @@ def explain(error):
 
 
 def say(error, rank=None):
-    """Write an error's line once: a recognised one alone, anything else after Python's traceback. A rank says it
-    before its teardown (common/ranks.py's destroy_process_group), which on NCCL may wait; stop() then adds nothing."""
+    """An error's line, once: a recognised one alone, anything else after Python's traceback (ranks say it early)."""
     if getattr(error, "said", False):
         return
     rank, line, shown = RANK[0] if rank is None else rank, explain(error), ""

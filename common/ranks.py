@@ -48,8 +48,8 @@ def destroy_process_group():
     (troubleshooting.md). On the way out of an error, the error's line first, and the groups left without a wait."""
     error = sys.exc_info()[1]  # in a `finally`: the error on its way out, if there is one
     if error is not None and dist.is_initialized():
-        # The error's line now, before any teardown. Since torch 2.6, NCCL's teardown first finishes every collective
-        # this rank queued, and one that no peer will match never ends: the communicators are aborted instead.
+        # Its line now, before any teardown: since torch 2.6 NCCL's teardown finishes every collective this rank
+        # queued, and one that no peer joins never ends. So NCCL's communicators are aborted instead.
         if isinstance(error, Exception):  # (Ctrl-C: run_main says "interrupted")
             say(error)
         if dist.get_backend() == "nccl":
@@ -185,8 +185,10 @@ DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line 
         f"no rendezvous at {m[2]}:{m[3]} (torch's tries timed out after {int(m[1]) / 1000:g}s each): {NO_RANK0}")),
     (r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined", lambda m: (
         f"only {m[2]} of {m[3]} processes reached the rendezvous within {m[1]}s: {MISSING_PEERS}")),
-    (r"^\s*(Wait timeout|Socket Timeout)\s*$", lambda m: (  # a store's wait ran out: a peer never came
-        f"not every rank reached the rendezvous within --timeout: {MISSING_PEERS}")),
+    # a store's wait ran out: a peer never came (torch 2.14: "wait timeout after 120000ms, keys: /default_pg/0//cpu//0")
+    (r"^\s*(Wait timeout|Socket Timeout|wait timeout after (\d+)ms, keys: .*)\s*$", lambda m: (
+        f"not every rank reached the rendezvous within --timeout{f' ({int(m[2]) / 1000:g}s)' if m[2] else ''}: "
+        f"{MISSING_PEERS}")),
     (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m: (  # gloo: a peer's process died
         f"lost contact with the other ranks ({m[0]}): another rank died (see its log), or the "
         f"network between them failed")),

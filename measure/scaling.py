@@ -319,7 +319,8 @@ def order_worker(rank, reps):
 
     def swap(way):
         if way == "all_gather":
-            dist.all_gather_into_tensor(out, mine)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.14's name, older's
+            gather(out, mine)
             return
         # posted in the order the way names: that order is what is measured
         posted = [dist.irecv(theirs, peer), dist.isend(mine, peer)] if way == "receive" else \

@@ -36,9 +36,14 @@ trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
 # Fail the job instead of hanging: if one task exits non-zero, srun stops the others at once.
 # `python` is whatever the submitting shell had on PATH (sbatch passes the environment on): activate
 # your venv before `sbatch`. The job starts in the folder sbatch was run from.
-# Each task's CPU threads from its start (--cpus-per-task): torch.set_num_threads() later would reach only the main
-# thread, and gloo's threads, which run --comm-hook powersgd's callbacks, would keep all the cores (docs/snapshots.md).
-[ -z "$SLURM_CPUS_PER_TASK" ] || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"
+# Each task's cores: since Slurm 22.05 srun does not take --cpus-per-task from the job, and without
+# SRUN_CPUS_PER_TASK each task would get one core (bound to it, where the cluster binds tasks) while it runs 8 threads.
+# Its CPU threads from its start: torch.set_num_threads() later would reach only the main thread, and gloo's
+# threads, which run --comm-hook powersgd's callbacks, would keep all the cores (docs/snapshots.md).
+if [ -n "$SLURM_CPUS_PER_TASK" ]; then
+    export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"
+fi
 srun --kill-on-bad-exit=1 python ddp_slurm.py "$@" &
 step=$!
 wait "$step"; status=$?

@@ -27,6 +27,9 @@ RUST_LOG=${RUST_LOG:-warn} srun --overlap --nodes 1 --ntasks 1 --nodelist "$head
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 --bind "[::]:$port" &
 lighthouse=$!
 export TORCHFT_LIGHTHOUSE="http://$head:$port"
+# Each group's cores (the lighthouse's step above takes one): since Slurm 22.05 srun does not take --cpus-per-task
+# from the job, and SRUN_CPUS_PER_TASK passes it on.
+[ -z "$SLURM_CPUS_PER_TASK" ] || export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 
 # A group per node, numbered by the node's place in the job (SLURM_NODEID: 0, 1, ...). A task that fails does not end
 # the others (--kill-on-bad-exit=0, whatever the cluster's default): they train on without it. A group started again

@@ -16,7 +16,7 @@
 #SBATCH --nodes=2                # machines
 #SBATCH --ntasks-per-node=1      # ONE task per machine: the torchrun launcher
 #SBATCH --gpus-per-node=4        # GPUs per machine; torchrun starts one worker per GPU
-#SBATCH --cpus-per-task=32       # all the cores torchrun's workers share (each gets cpus / workers threads)
+#SBATCH --cpus-per-task=32       # all the cores torchrun's workers share (each gets cpus / workers threads, below)
 #SBATCH --time=00:30:00          # wall-clock limit: SLURM stops the job after this
 #SBATCH --signal=B:USR1@180      # SIGUSR1 to this script 3 minutes before the limit: longer than one epoch
 #SBATCH --requeue                # the job may go back into the queue (it does so itself, below; so may preemption)
@@ -32,6 +32,19 @@ case "$1" in *.py) chapter=$1; shift ;; esac
 # on one node do not collide. NPROC_PER_NODE (default: one per visible GPU) overrides the worker count.
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$((20000 + SLURM_JOB_ID % 10000))
+
+# Each task's cores: since Slurm 22.05 srun does not take --cpus-per-task from the job (SRUN_CPUS_PER_TASK passes it
+# on). Each worker's share of them, from its start: torchrun would give every worker OMP_NUM_THREADS=1. The workers
+# are NPROC_PER_NODE, or the node's GPUs (SLURM_GPUS_ON_NODE) when torchrun starts one per GPU.
+if [ -n "$SLURM_CPUS_PER_TASK" ]; then
+    export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
+    workers=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
+    case "$workers" in
+        "" | *[!0-9]* | 0) ;;  # not known here: torchrun's 1 thread per worker
+        *) share=$((SLURM_CPUS_PER_TASK / workers))
+           export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((share > 0 ? share : 1))}" ;;
+    esac
+fi
 
 # The time limit is near (--signal above): pass SIGUSR1 on to the step (srun forwards it to its every process, and
 # torchrun ignores it); the workers finish the epoch, rank 0 writes the --snapshot, and they exit 0. Then this script

@@ -202,7 +202,7 @@ def main():
         run_rank(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]),
                  int(os.environ["LOCAL_WORLD_SIZE"]), cfg, "env://")
     else:  # a task of srun, meeting where ddp_slurm.py's ranks meet
-        master_addr = os.environ.get("MASTER_ADDR") or first_node(os.environ["SLURM_JOB_NODELIST"])
+        master_addr = os.environ.get("MASTER_ADDR") or first_node(os.environ["SLURM_STEP_NODELIST"])
         master_port = os.environ.get("MASTER_PORT") or 20000 + int(os.environ["SLURM_JOB_ID"]) % 10000
         run_rank(int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_LOCALID"]), int(os.environ["SLURM_NTASKS"]),
                  None, cfg, f"tcp://{master_addr}:{master_port}")

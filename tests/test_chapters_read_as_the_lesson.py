@@ -49,7 +49,7 @@ def test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom(script):
     assert source.find(source_of_ranks[script]) < source.find("# Step 2, device:")
     # The teardown is the finally of the try around everything after init, so it runs after an error too.
     assert re.search(r"^    try:\n        train\(cfg, ctx\).*\n    finally:  # Step 8, teardown:.*\n"
-                     r"        destroy_process_group\(\)  # dist\.destroy_process_group\(\), .*$", source, re.M), script
+                     r"        destroy_process_group\(\)  # dist\.destroy_process_group\(\); .*$", source, re.M), script
 
 
 def test_chapter_12_reads_as_the_lesson_top_to_bottom():
@@ -99,7 +99,7 @@ def test_chapters_1_and_2_mark_the_steps_they_share(script):
 # (`rendezvous_url`, `check_file_rendezvous`, 22 lines): code only they use, in them (not in every DDP
 # chapter's reach). A DDP chapter's test loader takes two lines where chapter 1's takes one (collate_fn).
 DIFF_BUDGETS = {("single_gpu.py", "dataparallel.py"): 50, ("single_gpu.py", "ddp_launch.py"): 81,
-                ("ddp_launch.py", "ddp_by_hand.py"): 53, ("ddp_by_hand.py", "diloco.py"): 215, ("ddp_launch.py", "ddp_mp.py"): 71, ("ddp_launch.py", "ddp_tcp_manual.py"): 79,
+                ("ddp_launch.py", "ddp_by_hand.py"): 53, ("ddp_by_hand.py", "diloco.py"): 218, ("ddp_launch.py", "ddp_mp.py"): 71, ("ddp_launch.py", "ddp_tcp_manual.py"): 79,
                 ("ddp_launch.py", "ddp_slurm.py"): 55, ("ddp_launch.py", "fsdp.py"): 93,
                 ("fsdp.py", "tensor_parallel.py"): 165, ("ddp_launch.py", "pipeline.py"): 262}
 LESSON_CALLS = ("DistributedSampler(", "DataLoader(", "DDP(", "set_epoch(", "train_one_epoch(", "save_weights(",

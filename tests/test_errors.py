@@ -32,6 +32,8 @@ RECOGNISED = [
     (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:1107] Application timeout caused pair closure"),
      "no answer from another rank within --timeout: one of them is stopped or stuck"),
     (RuntimeError("Wait timeout"), "not every rank reached the rendezvous within --timeout"),
+    (dist.DistStoreError("wait timeout after 120000ms, keys: /default_pg/0//cpu//0"),
+     "not every rank reached the rendezvous within --timeout (120s): start every rank"),
     # --compile on a GPU, Triton's launcher build (triton 3.8's runtime/build.py), as Inductor passes it on
     (RuntimeError("backend='inductor' raised:\nRuntimeError: Failed to find C compiler. Please specify via CC "
                   "environment variable or set triton.knobs.build.impl."), "Triton could not build its kernel launcher (no C compiler)"),

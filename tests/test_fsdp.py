@@ -8,6 +8,7 @@ import pytest
 from scripts.plot_curves import read_metrics
 from support import REPO
 from support.launchers import TORCHRUN_ENV
+from support.ports import free_port
 from support.run import Runs, TORCHRUN, run_forked_cases, run_script, torchrun_script
 from support.same_model import SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
 from support.torch_features import FSDP2_ON_CPU
@@ -127,6 +128,34 @@ def test_damaged_or_foreign_snapshot_stops_every_rank_with_one_line(world, damag
         assert sorted(line[:15] for line in lines) == ["error: [rank 0]", "error: [rank 1]"], err
     assert all(needle in line for line in lines), err
     assert not (tmp_path / "run" / "model.pth").exists()
+
+
+@pytest.mark.parametrize("when", ["saving", "resuming"])
+def test_a_snapshot_folder_the_machines_do_not_share_stops_every_rank_with_one_line(when, sharded_snapshot, real_data,
+                                                                                    tmp_path, procs):
+    """Two machines (two torchruns here), each with --snapshot on its own disk (here: two folders). Each rank writes
+    its slices into its own folder and only rank 0's holds snapshot.pt, so a resume would find different epochs on
+    different machines and the ranks would train out of step. Every rank compares what it sees with the others: at
+    the first save (rank 1 does not see rank 0's snapshot.pt), and on resume (one machine finds epoch-1, the other
+    nothing), every rank ends with one line naming both views."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    if when == "resuming":
+        shutil.copytree(sharded_snapshot, folders[0])
+    port = free_port()
+    nodes = [procs.start([*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n), "--master-addr",
+                          "127.0.0.1", "--master-port", str(port), "fsdp.py", *slice_args(real_data, tmp_path / "run"),
+                          "--epochs", "2", "--snapshot", folders[n], "--timeout", "60"]) for n in range(2)]
+    results = [procs.wait(p) for p in nodes]
+    seen = {"saving": ["sees rank 0's epoch-1/snapshot.pt", "does not see rank 0's epoch-1/snapshot.pt"],
+            "resuming": ["finds epoch-1", "finds no finished snapshot"]}[when]
+    for n, (code, out, err) in enumerate(results):
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code != 0 and len(lines) == 1, err
+        assert lines[0].startswith(f"error: [rank {n}] --snapshot {folders[n]}: rank {n} (on ") and \
+            f"{seen[n]}, rank {1 - n} (on " in lines[0] and f") {seen[1 - n]}: " in lines[0], lines[0]
+        assert "a folder all the machines share" in lines[0]
+    # saving: stopped at epoch 1's snapshot, before epoch 2; resuming: before any epoch
+    assert ("Epoch 1" in results[0][1]) == (when == "saving") and "Epoch 2" not in results[0][1], results[0][1]
 
 
 @pytest.fixture(scope="module")

@@ -566,7 +566,7 @@ def test_diloco_on_nccl_groups_wait_timeout_and_the_outer_sync_has_its_own(real_
     assert proc.returncode == 0, proc.stderr
     assert f"backend={BACKEND}" in proc.stdout, proc.stdout
     seen = json.loads((records / "rank_0.json").read_text())
-    assert len({g["name"] for g in seen["groups"]}) == 2 and {g["timeout"] for g in seen["groups"]} == {37.0}, seen
+    assert len({g["name"] for g in seen["groups"]}) == 3 and {g["timeout"] for g in seen["groups"]} == {37.0}, seen
     outer = {c["group"] for c in seen["all_reduces"] if c["numel"] > 1000}
     lines = {c["group"] for c in seen["all_reduces"] if c["dtype"] == "float64"} | {"0"}  # one rank: no sums made
     assert outer and not outer & lines, (outer, lines)  # (the default group's name is "0")

@@ -58,7 +58,7 @@ def _launch_env(rank, local_rank, world, ranks_here):
 
 def _slurm_env(rank, local_rank, world):
     return dict(SLURM_JOB_ID="4242", SLURM_PROCID=str(rank), SLURM_LOCALID=str(local_rank), SLURM_NTASKS=str(world),
-                SLURM_JOB_NODELIST="localhost", SLURM_STEP_ID="0", MASTER_ADDR="127.0.0.1")  # no scontrol to ask
+                SLURM_STEP_NODELIST="localhost", SLURM_STEP_ID="0", MASTER_ADDR="127.0.0.1")  # no scontrol to ask
 
 
 CHAPTERS = [  # (command, environment, GPUs this process sees, [(rank, the device it must bind NCCL to)])

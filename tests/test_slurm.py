@@ -81,7 +81,7 @@ def batch(*lines):
     # SLURM_NTASKS says 2 but only one task arrives: rank 0 waits --timeout seconds for rank 1, then says so.
     ("srun bash -c 'SLURM_NTASKS=2 exec python ddp_slurm.py --timeout 5'", 1, "start every rank"),
     # a first node no one can resolve: torch's rendezvous gives up after --timeout, and its line says the address
-    ("srun env SLURM_JOB_NODELIST='nosuchnode[1-2]' python ddp_slurm.py --timeout 5", 1, "no rendezvous at nosuchnode1:"),
+    ("srun env SLURM_STEP_NODELIST='nosuchnode[1-2]' python ddp_slurm.py --timeout 5", 1, "no rendezvous at nosuchnode1:"),
     ("python ddp_slurm.py", 2, "srun python ddp_slurm.py"),  # no srun: the batch script is no task of a step
 ], ids=["fewer-tasks-than-SLURM_NTASKS", "unresolvable-head-node", "no-srun"])
 def test_bad_slurm_environment_fails_the_job_with_one_line(slurm, tmp_path, step, code, needle):

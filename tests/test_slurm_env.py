@@ -13,7 +13,7 @@ from support.launchers import fake_scontrol
 from support.run import BASE_ENV, run_script
 
 TASK = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1",
-            SLURM_JOB_NODELIST="localhost,gpu[02-03]")
+            SLURM_JOB_NODELIST="localhost,gpu[02-03]", SLURM_STEP_NODELIST="localhost,gpu[02-03]")
 
 
 @pytest.fixture
@@ -51,6 +51,13 @@ def test_the_ranks_meet_on_the_first_node_on_a_port_from_the_job_id(tmp_path):
     assert _rendezvous(tmp_path, **env) == dict(init_method="tcp://localhost:24242", rank=3, world_size=4)
     assert _rendezvous(tmp_path, **env, MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")["init_method"] == \
         "tcp://127.0.0.1:29555"  # both override
+
+
+def test_a_step_on_some_of_the_jobs_nodes_meets_on_its_own_first_node(tmp_path):
+    """A job on localhost and gpu[02-03] whose srun step runs on gpu02 and gpu03 only (srun --nodes 2 --relative 1):
+    its ranks meet on gpu02, where its rank 0 is; nobody listens on the job's first node for them."""
+    env = dict(TASK, SLURM_STEP_NODELIST="gpu02,gpu03", PATH=fake_scontrol(tmp_path / "bin"))
+    assert _rendezvous(tmp_path, **env)["init_method"] == "tcp://gpu02:24242"
 
 
 def test_the_first_node_is_slurms_expansion(task_env):
@@ -104,8 +111,9 @@ exec /usr/bin/env "$@"
 """
 
 
-def _batch_script(tmp_path, script, task, old_env=False):
-    """Start scripts/SCRIPT as the batch shell would, with an srun that runs `task` (a bash snippet) as its task."""
+def _batch_script(tmp_path, script, task, old_env=False, args=(), **job):
+    """Start scripts/SCRIPT as the batch shell would, with an srun that runs `task` (a bash snippet) as its task;
+    job: more of the batch script's environment (SLURM_CPUS_PER_TASK, ...)."""
     import os
     import subprocess
 
@@ -114,12 +122,16 @@ def _batch_script(tmp_path, script, task, old_env=False):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("python", f"#!/bin/bash\n{task}\n"), ("torchrun", f"#!/bin/bash\n{task}\n"),
-                       ("scontrol", "#!/bin/bash\necho node1\n"), *((("env", ENV_8_30),) if old_env else ())):
+                       ("scontrol", "#!/bin/bash\necho node1\n"), ("torchft_lighthouse", "#!/bin/bash\nexec sleep 60\n"),
+                       *((("env", ENV_8_30),) if old_env else ())):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", STARTED=str(tmp_path / "started"),
-               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node1", SLURM_NNODES="1")
-    proc = subprocess.Popen(["bash", str(REPO / "scripts" / script)], cwd=tmp_path, env=env,
+               SLURM_JOB_ID="7", SLURM_JOB_NODELIST="node1", SLURM_NNODES="1", **job)
+    for name in ("OMP_NUM_THREADS", "SRUN_CPUS_PER_TASK", "NPROC_PER_NODE"):
+        if name not in job:
+            env.pop(name, None)
+    proc = subprocess.Popen(["bash", str(REPO / "scripts" / script), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, tmp_path / "started"
 
@@ -181,3 +193,23 @@ def test_the_warning_trap_is_set_before_the_step_starts(script):
     trap = next(i for i, line in enumerate(lines) if line.startswith("trap ") and line.endswith(" USR1"))
     step = next(i for i, line in enumerate(lines) if line.startswith("srun "))
     assert trap < step
+
+
+SHOW_CORES = 'echo "cores=$SRUN_CPUS_PER_TASK threads=$OMP_NUM_THREADS"'
+
+
+@pytest.mark.parametrize("script,job,threads", [
+    ("job.sh", {}, "8"),  # a task per GPU: its 8 cores, 8 threads
+    ("job_torchrun.sh", {"NPROC_PER_NODE": "4"}, "2"),  # torchrun's 4 workers share the task's 8 cores
+    ("job_torchrun.sh", {"SLURM_GPUS_ON_NODE": "2"}, "4"),  # a worker per GPU (NPROC_PER_NODE unset): 2 of them
+    ("job_ft.sh", {}, ""),  # one rank per group: ddp_ft.py takes the task's cores itself
+], ids=["job.sh", "job_torchrun.sh-4-workers", "job_torchrun.sh-a-worker-per-gpu", "job_ft.sh"])
+def test_each_step_asks_for_the_jobs_cores_per_task(script, job, threads, tmp_path):
+    """Since Slurm 22.05 srun does not take --cpus-per-task from the job: a step started without SRUN_CPUS_PER_TASK
+    gives each task one core (bound to it where the cluster binds tasks: task/affinity, task/cgroup), while the task
+    runs OMP_NUM_THREADS of them. Every batch script passes the job's 8 on to its steps, and sets the threads each
+    process starts with. (The local test cluster has 2 cores, too few to show the binding itself.)"""
+    proc, _ = _batch_script(tmp_path, script, SHOW_CORES, SLURM_CPUS_PER_TASK="8", **job)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert f"cores=8 threads={threads}\n" in out, out

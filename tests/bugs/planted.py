@@ -126,7 +126,27 @@ MUTATIONS = [
          "super().parallel_apply(replicas, inputs, kwargs)")),
     bug("fsdp-bf16-outputs", "chapter 7 in bf16: the test loss is summed from float32 outputs",
         [f"{TRAIN_FLAGS}::test_bf16_through_every_launcher[fsdp-2]"],
-        ("fsdp.py", ", output_dtype=torch.float32)", ")")),
+        ("fsdp.py", ", output_dtype=torch.float32 if bf16 else None))", "))")),
+    bug("sharded-snapshot-folder-unchecked-at-save", "a sharded snapshot's folder is one every machine shares: every "
+        "rank sees rank 0's snapshot.pt at each save, or all stop in one line",
+        ["tests/test_fsdp.py::test_a_snapshot_folder_the_machines_do_not_share_stops_every_rank_with_one_line[saving]"],
+        ("common/checkpoint.py", "    check_one_folder(f\"{'sees' if seen else 'does not see'} rank 0's {folder.name}/snapshot.pt\", ctx, cfg)\n", "")),
+    bug("sharded-snapshot-folder-unchecked-at-resume", "every rank of a resumed sharded run finds the same snapshot, or "
+        "all stop in one line",
+        ["tests/test_fsdp.py::test_a_snapshot_folder_the_machines_do_not_share_stops_every_rank_with_one_line[resuming]"],
+        ("common/checkpoint.py", '    check_one_folder(f"finds {finished[-1].name}" if finished else "finds no finished snapshot", ctx, cfg)\n', "")),
+    bug("slurm-master-on-the-jobs-first-node", "chapter 6's ranks meet on their step's first node (a step may run on "
+        "some of the job's nodes)",
+        ["tests/test_slurm_env.py::test_a_step_on_some_of_the_jobs_nodes_meets_on_its_own_first_node"],
+        ("ddp_slurm.py", 'first_node(os.environ["SLURM_STEP_NODELIST"])', 'first_node(os.environ["SLURM_JOB_NODELIST"])')),
+    bug("srun-cpus-per-task-not-passed-on", "each SLURM step asks for the job's --cpus-per-task (Slurm 22.05+ srun "
+        "does not take it from the job)",
+        ["tests/test_slurm_env.py::test_each_step_asks_for_the_jobs_cores_per_task[job.sh]"],
+        ("scripts/job.sh", '    export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"\n', "")),
+    bug("torchrun-job-workers-one-thread", "job_torchrun.sh's workers share the task's cores (torchrun would give "
+        "each 1 thread)", ["tests/test_slurm_env.py::test_each_step_asks_for_the_jobs_cores_per_task[job_torchrun.sh-4-workers]"],
+        ("scripts/job_torchrun.sh", '           export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((share > 0 ? share : 1))}" ;;',
+         "           ;;")),
     bug("compile-ignored", "--compile compiles: torch's own count of captured graphs",
         [f"{TRAIN_FLAGS}::test_compile_trains_the_same_model[chapter1]"],
         ("single_gpu.py", "        model.compile()", "        pass")),
@@ -324,17 +344,18 @@ MUTATIONS = [
     bug("diloco-copy-spans-machines", "DiLoCo with --ranks-per-replica N: a copy is N ranks in a row (one machine), so "
         "only the outer sync crosses the link", ["tests/test_multinode.py::"
                                                 "test_diloco_on_two_machines_of_two_ranks_syncs_only_the_outer_step_across"],
-        ("diloco.py", "new_subgroups_by_enumeration([list(range(r, r + n)) for r in range(0, ctx.world_size, n)],",
-         "new_subgroups_by_enumeration([list(range(i, ctx.world_size, n)) for i in range(n)],")),
+        ("diloco.py", "new_subgroups_by_enumeration([list(ranks[r:r + n]) for r in ranks[::n]]",
+         "new_subgroups_by_enumeration([list(ranks[i::n]) for i in range(n)]")),
     bug("diloco-groups-wait-torchs-default", "every process group a chapter makes waits --timeout at most (torch's "
         "default for a new group: 10 minutes on NCCL, 30 on gloo)",
         ["tests/test_diloco.py::test_every_group_waits_timeout_and_the_outer_sync_has_its_own[two-ranks-per-copy]"],
-        ("diloco.py", "for r in range(0, ctx.world_size, n)],\n                                                       timeout=wait)",
-         "for r in range(0, ctx.world_size, n)])")),
+        ("diloco.py", "for i in range(n)], timeout=wait)", "for i in range(n)])")),
     bug("diloco-outer-sync-on-the-default-group", "DiLoCo's outer all-reduce runs in a group of its own, never in the "
         "one the loss lines' sums use (NCCL: a stream per group)",
         ["tests/test_diloco.py::test_every_group_waits_timeout_and_the_outer_sync_has_its_own[one-rank-per-copy]"],
-        ("diloco.py", "replica, across = None, dist.new_group(timeout=wait)", "replica, across = None, None")),
+        ("diloco.py", "    across, _ = dist.new_subgroups_by_enumeration([list(ranks[i::n]) for i in range(n)], timeout=wait)\n",
+         "    across, _ = dist.new_subgroups_by_enumeration([list(ranks[i::n]) for i in range(n)], timeout=wait)\n"
+         "    across = None if n == 1 else across\n")),
     # --- Chapter 12: torchft's quorum, its average, healing ---
     bug("ft-healed-keeps-stale-weights", "ddp_ft.py: a restarted group heals from a live one: its weights",
         ["tests/test_fault_tolerance.py::test_a_killed_group_heals_from_the_live_one_which_never_restarts"],

@@ -12,7 +12,7 @@ from support.same_model import slice_args
 TORCHRUN_ENV = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT="1")
 SLURM_ENV = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0",
-                 SLURM_JOB_NODELIST="localhost")
+                 SLURM_JOB_NODELIST="localhost", SLURM_STEP_NODELIST="localhost")
 
 
 def launch(kind, world, real_data, out, procs, timeout=60, extra=(), env=BASE_ENV):
@@ -25,7 +25,7 @@ def launch(kind, world, real_data, out, procs, timeout=60, extra=(), env=BASE_EN
         script = "ddp_launch.py" if kind == "torchrun" else "ddp_by_hand.py"
         ps = [procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), script, *args], env=env)]
     elif kind == "srun-env":  # chapter 6's tasks as one srun step starts them on one node: only its variables differ
-        step = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NTASKS=str(world), SLURM_JOB_NODELIST="localhost",
+        step = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NTASKS=str(world), SLURM_STEP_NODELIST="localhost",
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # no scontrol to ask for the first node here
         ps = [procs.start([sys.executable, "ddp_slurm.py", *args],
                           env=dict(env, **step, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))) for r in range(world)]
