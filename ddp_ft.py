@@ -13,10 +13,12 @@ B's command again and it heals from A and trains with it from the next step. tor
 With --sync-every H the groups sync as chapter 11's DiLoCo does, with torchft's own (torchft.local_sgd.DiLoCo): each
 trains alone, and a quorum forms only at each sync (a lighthouse with --min_replicas 2 makes the first wait for both).
 """
+import hashlib
 import logging
 import math
 import os
 import re
+import socket
 import time
 import traceback
 from datetime import timedelta
@@ -32,7 +34,8 @@ from common.cli import (MOMENTUM, NON_NEGATIVE, POSITIVE, RATE, REQUIRED, FatalE
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, autocast, evaluate, loss_fn, print_epoch_line, print_loss_line
 from common.model import NeuralNetwork
-from common.ranks import CONNECT_TIMED_OUT, DistContext, check_torchrun_worker, name_rank_in_errors, print0, rank_device
+from common.ranks import (CONNECT_TIMED_OUT, DistContext, check_torchrun_worker, cpu_threads, name_rank_in_errors,
+                          print0, rank_device)
 
 TORCHFT = "torchft==0.2.0"  # the release this chapter was written and tested with
 
@@ -175,8 +178,11 @@ def train(cfg, ctx, torchft, manager, transport):
     inner = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     optimizer = inner if cfg.sync_every else torchft.Optimizer(manager, inner)
     # What a healing group receives from a live one: the weights and the optimizer's state (momentum); and the step.
-    manager.register_state_dict_fn("train", lambda state: load_state(model, inner, state),
-                                   lambda: {"model": model.state_dict(), "optim": inner.state_dict()})
+    # (And which machine each group is on, for the healing group's share of its machine's cores.)
+    cores = CoreShare(cfg, ctx)
+    manager.register_state_dict_fn("train", lambda state: load_state(model, inner, state, cores),
+                                   lambda: {"model": model.state_dict(), "optim": inner.state_dict(),
+                                            "hosts": cores.hosts})
     # --sync-every H: torchft's DiLoCo (chapter 11's outer loop) instead. Each group steps its own weights with the
     # inner optimizer; every H/F steps its hook syncs a fragment: a quorum, how far the group moved since the last sync
     # all-reduced over it, the outer SGD's step (or, if a group failed, the fragment back to its last sync).
@@ -184,7 +190,7 @@ def train(cfg, ctx, torchft, manager, transport):
                       (None, lambda: model))
     print0(ctx, model)
 
-    metrics, watch = MetricsLog(output, ctx), QuorumWatch(manager, transport, cfg, ctx, diloco)
+    metrics, watch = MetricsLog(output, ctx), QuorumWatch(manager, transport, cfg, ctx, diloco, cores)
     epoch = None
     # Step 6, epochs: torchft counts the committed steps (the Manager's step, the same in every group of a quorum;
     # with DiLoCo, its syncs); the epochs follow from it, each drawing its own shuffle from seed + epoch.
@@ -252,17 +258,59 @@ def diloco_over_groups(cfg, torchft, manager, model, inner):
     return diloco, shared
 
 
-def load_state(model, optimizer, state):
-    """A healing group takes a live group's weights and optimizer state (torchft sets the step itself)."""
+def load_state(model, optimizer, state, cores):
+    """A healing group takes a live group's weights and optimizer state (torchft sets the step itself); and its
+    share of the cores, from where the live group knows the groups to be."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
+    cores.take(state["hosts"])
+
+
+class CoreShare:
+    """On the CPU without OMP_NUM_THREADS: this group's share of its machine's cores, as the torchrun chapters take
+    theirs (each group is its own torchrun of one rank, which leaves a process every core). The groups of the first
+    quorum tell each other their machine, in one all-reduce of a number per group; a group that heals later learns
+    the machines from the live group's state. Each group's number is its host name's hash, exact in float64. With
+    DiLoCo the groups first meet at the first sync: there one line says how to set the threads instead."""
+
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx, self.host = cfg, ctx, socket.gethostname()
+        self.on = ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and cfg.replica_groups > 1
+        if self.on and cfg.sync_every:
+            self.on = False
+            print0(ctx, f"{torch.get_num_threads()} CPU threads, every core of {self.host}: with --sync-every the "
+                        f"groups first meet at the first sync, too late to share the cores; where several groups "
+                        f"share a machine, start each with OMP_NUM_THREADS=<cores / groups>")
+        self.mine = float(int.from_bytes(hashlib.sha256(self.host.encode()).digest()[:6], "big"))
+        self.hosts = torch.zeros(cfg.replica_groups, dtype=torch.float64)  # 0: a group not seen
+
+    def gather(self, manager):
+        """Every group of this step's quorum puts its number in its own place; the sum holds them all."""
+        if self.on:
+            self.hosts.zero_()[self.cfg.replica_group] = self.mine
+            manager.allreduce(self.hosts, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+            self.take(self.hosts)
+
+    def take(self, hosts):
+        """This group's threads: the cores over the groups on this machine (this one counted wherever it was)."""
+        if self.on:
+            self.hosts.copy_(hosts)[self.cfg.replica_group] = self.mine
+            here = int((self.hosts == self.mine).sum())
+            torch.set_num_threads(threads := cpu_threads(here))
+            print0(self.ctx, f"{here} replica group{'s' * (here > 1)} on {self.host}: {threads} CPU thread"
+                             f"{'s' * (threads > 1)} each")
 
 
 def average_gradients(model, manager):
-    """DDP's job through the Manager: each gradient averaged over the quorum's groups (a healing group sends zeros).
-    An all-reduce that fails (a group died mid-step) is noted by the Manager, and the step then commits nowhere."""
-    for work in [manager.allreduce(param.grad) for param in model.parameters()]:  # all started, then waited
-        work.wait()
+    """DDP's job through the Manager: the gradients averaged over the quorum's groups (a healing group sends zeros),
+    all in one flat buffer, as DDP sends a bucket: one all-reduce a step, not one per tensor (6 here, each paying
+    gloo's and the network's round trips). An all-reduce that fails (a group died mid-step) is noted by the Manager,
+    and the step then commits nowhere."""
+    grads = [param.grad for param in model.parameters()]
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    manager.allreduce(flat).wait()  # the sum over the quorum, divided by its size
+    for grad, averaged in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(averaged.view_as(grad))
 
 
 def timed_transport(torchft, timeout):
@@ -295,8 +343,9 @@ class QuorumWatch:
     """After each step: one line when the quorum's size changes or this group healed (where the time went); None for
     a step that did not commit. With DiLoCo, torchft's step counts syncs, H/F inner steps each."""
 
-    def __init__(self, manager, transport, cfg, ctx, diloco=None):
+    def __init__(self, manager, transport, cfg, ctx, diloco=None, cores=None):
         self.manager, self.transport, self.cfg, self.ctx, self.diloco = manager, transport, cfg, ctx, diloco
+        self.cores = cores
         self.gathered, self.waited, self.deadline = bool(diloco), False, time.monotonic() + cfg.timeout
         self.size, self.failed, self.began = None, 0, time.perf_counter()
         self.per_sync = cfg.sync_every // cfg.fragments if diloco else 1  # inner steps per step of torchft's
@@ -325,8 +374,16 @@ class QuorumWatch:
             # fast as the loop spins (60 a second opened as many connections to torchrun's store, which then stalled)
             time.sleep(0.5)
             self.manager.report_error(RuntimeError(f"waiting for {self.cfg.replica_groups} replica groups"))
-        else:
-            self.gathered = True
+            return
+        self.gathered = True
+        if healing:
+            return
+        if here < self.cfg.replica_groups:  # --timeout is over, and no group there had trained: nothing to heal from
+            print0(self.ctx, f"only {here} of {self.cfg.replica_groups} replica groups after --timeout "
+                             f"{self.cfg.timeout:g}s, none with steps to heal from (the others have not started, or "
+                             f"have ended): training from step 1 with {here}, a run of its own, whose model.pth is "
+                             f"not the other groups'")
+        self.cores.gather(self.manager)  # the groups now in the quorum: which machine each is on
 
     def committed(self, step):
         """True if step `step` committed with this group's own gradients; the lines for what changed."""

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from support.fault_tolerance import (HAS_TORCHFT, LONG_FT, SLOWER, STEP_21, TORCH_2_7, finished,
-                                     lighthouse_command, needs_torchft, start_group)
+from support.fault_tolerance import (HAS_TORCHFT, LONG_FT, SLOWER, STEP_21, TORCH_2_7, USERS_SHELL, finished,
+                                     lighthouse_command, needs_torchft, share_line, start_group)
 from support.ports import free_port
 from support.run import BASE_ENV, run_code, run_forked, run_script, torchrun_script
 from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
@@ -29,10 +29,13 @@ def lighthouse(procs):
 @needs_torchft
 def test_two_groups_train_chapter_1s_model(procs, lighthouse, real_data, reference, tmp_path):
     """Both groups in the quorum from step 1 (the first step waits for them): together each step's batch is chapter
-    1's, averaged over the two, so both save chapter 1's weights and print its test accuracies."""
-    runs = [start_group(procs, lighthouse, g, slice_args(real_data, tmp_path / f"g{g}")) for g in (0, 1)]
+    1's, averaged over the two, so both save chapter 1's weights and print its test accuracies. Started as a user
+    starts them (no OMP_NUM_THREADS), the two groups on this machine each take half its cores, as torchrun's ranks
+    would: each its own torchrun, they would otherwise each run a thread per core."""
+    runs = [start_group(procs, lighthouse, g, slice_args(real_data, tmp_path / f"g{g}"), USERS_SHELL) for g in (0, 1)]
     outs = [finished(run) for run in runs]
     for g, out in enumerate(outs):
+        assert out.count(share_line()) == 1, out
         assert "step 1: quorum of 2 replica groups" in out, out
         assert out.count("quorum of") == 1, out  # one line for the quorum, none per step
         assert "Done! 40 steps committed, 0 retried, 80 group batches" in out, out
@@ -47,12 +50,13 @@ def test_a_killed_group_heals_from_the_live_one_which_never_restarts(procs, ligh
     step) and follows the step it healed to. Both end with the same weights, within 0.5 points of chapter 1's accuracy
     (what a run without the kill trains: test_two_groups_train_chapter_1s_model)."""
     args = lambda g: [*LONG_FT, "--data-dir", str(real_data), "--output", str(tmp_path / f"g{g}")]  # noqa: E731
-    a, b = start_group(procs, lighthouse, 0, args(0), SLOWER), start_group(procs, lighthouse, 1, args(1), SLOWER)
+    env = {**SLOWER, **USERS_SHELL}  # as a user starts them: a healed group takes its share of the cores too
+    a, b = start_group(procs, lighthouse, 0, args(0), env), start_group(procs, lighthouse, 1, args(1), env)
     b.wait_for(STEP_21, after=b.wait_for("Epoch 1"), timeout=180)  # step 21 of 1200
     procs.kill(b.proc)  # torchrun and its worker
     b.finish()
     a.wait_for("quorum of 1 replica group (was 2)", timeout=120)  # then started again (as below, with DiLoCo)
-    b = start_group(procs, lighthouse, 1, args(1), SLOWER)
+    b = start_group(procs, lighthouse, 1, args(1), env)
     out_a, out_b = finished(a), finished(b)
     both = f"{out_a}\n--- group 1, started again:\n{out_b}"
 
@@ -63,6 +67,7 @@ def test_a_killed_group_heals_from_the_live_one_which_never_restarts(procs, ligh
     healed = re.search(r"step (\d+): healed from a live group at its step (\d+) \(\2 steps skipped here\): state "
                        r"received in [\d.]+s", out_b)
     assert healed and 21 < int(healed[2]) < 1200 and int(healed[1]) == int(healed[2]) + 1, both
+    assert out_a.count(share_line()) == 1 and out_b.count(share_line()) == 1, both  # group 1 learns it as it heals
     assert "Done! 1200 steps committed" in out_a and "Done! 1200 steps committed" in out_b, both
     assert max_abs_diff(*[load_state(tmp_path / f"g{g}" / "model.pth") for g in (0, 1)]) == 0.0
 
@@ -203,6 +208,9 @@ def test_a_group_alone_steps_with_its_own_batch(procs, lighthouse, real_data, tm
                                                         "--torchft-log"]).finish(timeout=300)
     assert code == 0, out + err[-3000:]
     assert "waiting up to --timeout 3s for all 2 replica groups (1 in the quorum)" in out, out
+    assert ("only 1 of 2 replica groups after --timeout 3s, none with steps to heal from (the others have not started, "
+            "or have ended): training from step 1 with 1, a run of its own, whose model.pth is not the other groups'"
+            in out), out
     assert 2 <= err.count("reconfiguring for quorum_id") <= 2 * 3 + 4, err[-3000:]
     assert ("step 1: quorum of 1 replica group" in out
             and "Done! 40 steps committed, 0 retried, 40 group batches" in out), out
@@ -256,3 +264,30 @@ def test_the_refusals_are_one_line_each(fake_data):
         return
     [result] = run_forked([("ddp_ft.py", [*base, "--replica-group", "0"], {})])
     assert result.returncode == 2 and missing in result.stderr, result.stderr
+
+
+def test_a_steps_gradients_cross_in_one_all_reduce_and_come_back_averaged():
+    """The Manager's all-reduce pays its round trips once a step: every gradient (669,706 numbers) goes in one flat
+    buffer, as DDP sends a bucket, and each gradient gets its part of the average back. A stand-in Manager averages
+    with a group whose gradients are zeros (a healing one)."""
+    from common.model import NeuralNetwork
+    from ddp_ft import average_gradients
+
+    model, sent = NeuralNetwork(), []
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    before = [param.grad.clone() for param in model.parameters()]
+
+    class Done:
+        def wait(self):
+            return True
+
+    class Manager:
+        def allreduce(self, tensor):
+            sent.append(tensor.numel())
+            tensor.div_(2)
+            return Done()
+
+    average_gradients(model, Manager())
+    assert sent == [669_706]
+    assert all(torch.equal(param.grad, grad / 2) for param, grad in zip(model.parameters(), before))

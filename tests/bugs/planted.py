@@ -362,11 +362,26 @@ MUTATIONS = [
         ("ddp_ft.py", '    model.load_state_dict(state["model"])\n', "    pass\n")),
     bug("ft-optimizer-state-not-sent", "ddp_ft.py: a restarted group heals from a live one: its optimizer state",
         ["tests/test_fault_tolerance.py::test_a_killed_group_heals_from_the_live_one_which_never_restarts"],
-        ("ddp_ft.py", '"optim": inner.state_dict()}', '"optim": {**inner.state_dict(), "state": {}}}')),
+        ("ddp_ft.py", '"optim": inner.state_dict(),', '"optim": {**inner.state_dict(), "state": {}},')),
     bug("ft-dead-group-still-averaged", "ddp_ft.py: a step's gradient is the mean over the groups in its quorum",
         ["tests/test_fault_tolerance.py::test_a_group_alone_steps_with_its_own_batch"],
-        ("ddp_ft.py", "[manager.allreduce(param.grad) for param", "[manager.allreduce(param.grad.div_(2), "
-         "reduce_op=torch.distributed.ReduceOp.SUM) for param")),
+        ("ddp_ft.py", "    manager.allreduce(flat).wait()", "    manager.allreduce(flat.div_(2), "
+         "reduce_op=torch.distributed.ReduceOp.SUM).wait()")),
+    bug("ft-an-all-reduce-per-tensor", "ddp_ft.py sends a step's gradients in one all-reduce (one flat buffer, as "
+        "DDP's bucket), not one per tensor",
+        ["tests/test_fault_tolerance.py::test_a_steps_gradients_cross_in_one_all_reduce_and_come_back_averaged"],
+        ("ddp_ft.py", "    grads = [param.grad for param in model.parameters()]\n",
+         "    for work in [manager.allreduce(param.grad) for param in model.parameters()]:\n        work.wait()\n"
+         "    return\n")),
+    bug("ft-groups-take-every-core", "ddp_ft.py on the CPU in a user's shell: the groups on one machine share its "
+        "cores, as torchrun's ranks do", ["tests/test_fault_tolerance.py::test_two_groups_train_chapter_1s_model"],
+        ("ddp_ft.py", "        self.cores.gather(self.manager)  # the groups now in the quorum: which machine each is on\n", "")),
+    bug("ft-healed-group-takes-every-core", "ddp_ft.py: a healed group takes its share of its machine's cores too",
+        ["tests/test_fault_tolerance.py::test_a_killed_group_heals_from_the_live_one_which_never_restarts"],
+        ("ddp_ft.py", '    cores.take(state["hosts"])\n', "")),
+    bug("ft-alone-without-a-word", "ddp_ft.py: a group that found no live group to heal from within --timeout says "
+        "it trains a run of its own", ["tests/test_fault_tolerance.py::test_a_group_alone_steps_with_its_own_batch"],
+        ("ddp_ft.py", "        if here < self.cfg.replica_groups:  # --timeout is over", "        if False:  # --timeout is over")),
     bug("ft-wait-spins", "ddp_ft.py: a group waiting for all groups asks the lighthouse twice a second, not 60 times",
         ["tests/test_fault_tolerance.py::test_a_group_alone_steps_with_its_own_batch"],
         ("ddp_ft.py", "            time.sleep(0.5)\n", "")),

@@ -1,6 +1,7 @@
 """Chapter 12's runs (ddp_ft.py under torchft): whether torchft is here, its lighthouse, a replica group as a user
 starts it, and a run long enough that a group can be killed or cut off and come back before the other one ends."""
 import os
+import socket
 
 import pytest
 import torch
@@ -41,9 +42,19 @@ def group_command(number, args):
 
 
 def start_group(procs, lighthouse, number, args, env=None, on=lambda cmd: cmd):
-    """A replica group started (on a machine: `on` wraps its command) and read line by line."""
-    return Watched(procs, on(group_command(number, args)),
-                   env={**BASE_ENV, "TORCHFT_LIGHTHOUSE": lighthouse, **(env or {})})
+    """A replica group started (on a machine: `on` wraps its command) and read line by line; env: more of its
+    environment, a variable given None left out (USERS_SHELL: no OMP_NUM_THREADS, as a user starts it)."""
+    given = {**BASE_ENV, "TORCHFT_LIGHTHOUSE": lighthouse, **(env or {})}
+    return Watched(procs, on(group_command(number, args)), env={k: v for k, v in given.items() if v is not None})
+
+
+USERS_SHELL = {"OMP_NUM_THREADS": None}
+
+
+def share_line(groups=2):
+    """The line a group on the CPU prints when it takes its share of this machine's cores (ddp_ft.py's CoreShare)."""
+    threads = max(1, len(os.sched_getaffinity(0)) // groups)
+    return f"{groups} replica groups on {socket.gethostname()}: {threads} CPU thread{'s' * (threads > 1)} each"
 
 
 def finished(run, timeout=300):
