@@ -20,7 +20,7 @@ other flag, on the full data and any number of ranks:
 
 The tools (they work the same on any DDP job):
   - the flight recorder: every rank keeps its last 2000 collectives (TORCH_FR_BUFFER_SIZE; torch 2.11 and later by
-    default, gloo's too; set here for older ones); each rank writes them to OUTPUT/flight_recorder/rank_N as it
+    default, gloo's too from 2.8; set here for older ones); each rank writes them to OUTPUT/flight_recorder/rank_N as it
     leaves, and a failing rank compares them: which collective had no partner, or the first one the ranks ran
     differently. On NCCL a timed-out rank is ended by the watchdog, not Python: NCCL's own dump
     (TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_FR_DUMP_TEMP_FILE) writes the records to
@@ -34,7 +34,7 @@ The tools (they work the same on any DDP job):
     collective mismatch in your code?"), the dying rank still prints every thread's Python stack, and so does
     each rank torchrun then stops with SIGTERM.
 Every collective has --timeout, so a broken run ends (non-zero), never hangs: on gloo within --timeout plus a few
-seconds; on NCCL the watchdog first waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC for the records to be written (60 s
+seconds; on NCCL (torch 2.8+) the watchdog first waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC for the records (60 s
 at torch 2.14's default), then ends the process.
 """
 import faulthandler
@@ -377,13 +377,14 @@ def main():
     records, stacks = output / "flight_recorder", output / "stacks" / f"rank_{rank}.txt"
     # The flight recorder: every process group made from here on keeps its last 2000 collectives, gloo's too (torch
     # 2.11 and later keep 2000 unless told otherwise; 2.6-2.10 keep none). Its variables were renamed in torch 2.8.
+    # (gloo has a recorder from torch 2.8 on, which is why the CPU needs 2.8: above.)
     buffer_size, dump_file = FLIGHT_RECORDER_VARIABLES
     os.environ.setdefault(buffer_size, "2000")
     if device.type == "cuda":
         # NCCL: a collective that overruns --timeout ends the process from the watchdog thread (SIGABRT), where no
-        # Python runs, so no rank could write or compare its record below. The watchdog writes it itself first (on
-        # by default from torch 2.11 on): FOLDER/nccl_trace_rank_N, which `torchfrtrace FOLDER --prefix
-        # nccl_trace_rank_` compares.
+        # Python runs, so no rank could write or compare its record below. The watchdog writes it itself first (by
+        # default from torch 2.7 on; 2.6 needs the variable): FOLDER/nccl_trace_rank_N, which `torchfrtrace FOLDER
+        # --prefix nccl_trace_rank_` compares.
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault(dump_file, str(records / "nccl_trace_rank_"))
         records.mkdir(parents=True, exist_ok=True)
