@@ -343,9 +343,9 @@ class QuorumWatch:
     """After each step: one line when the quorum's size changes or this group healed (where the time went); None for
     a step that did not commit. With DiLoCo, torchft's step counts syncs, H/F inner steps each."""
 
-    def __init__(self, manager, transport, cfg, ctx, diloco=None, cores=None):
+    def __init__(self, manager, transport, cfg, ctx, diloco, cores):
         self.manager, self.transport, self.cfg, self.ctx, self.diloco = manager, transport, cfg, ctx, diloco
-        self.cores = cores
+        self.cores = cores  # this group's share of its machine's cores, taken once every group is there
         self.gathered, self.waited, self.deadline = bool(diloco), False, time.monotonic() + cfg.timeout
         self.size, self.failed, self.began = None, 0, time.perf_counter()
         self.per_sync = cfg.sync_every // cfg.fragments if diloco else 1  # inner steps per step of torchft's

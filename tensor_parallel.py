@@ -118,8 +118,8 @@ def train(cfg, ctx):
         for layer in model.linear_relu_stack:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**bf16))
-        fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**bf16, output_dtype=torch.float32 if bf16
-                                                                            else None))  # float32 out of the root alone
+        root = MixedPrecisionPolicy(**bf16, output_dtype=torch.float32 if bf16 else None)  # float32 out of it alone
+        fully_shard(model, mesh=mesh["dp"], mp_policy=root)
     if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
         model.compile()
     print0(ctx, model)
