@@ -3,6 +3,7 @@ two machines; `make test`'s set (QUICK), and the workers' groups. What the tests
 tests/support/, the programs they start in tests/programs/."""
 import importlib
 import os
+from pathlib import Path
 
 import pytest
 
@@ -64,22 +65,88 @@ QUICK = [
 ]
 
 
+# The tests whose processes start cold, as a user's do (every other torchrun run's workers are forked from a warm
+# zygote: support/zygote.py). Their subject is the start itself, or what a cold start changes: a test id's start
+# here, each with why; every QUICK test (each chapter's run through its launcher, and the floor's set); and every
+# test whose name says it runs as a user runs it.
+COLD = {
+    "tests/test_docs.py": "the docs' commands, as a user types them",
+    "tests/test_rendezvous.py": "the workers' start: ports, stores and rendezvous",
+    "tests/test_killed_and_stopped_ranks.py": "a worker killed by a signal, as torchrun sees its own die",
+    "tests/test_snapshots_and_resume.py": "a worker killed, or stopped by SIGUSR1, and its run resumed",
+    "tests/test_pipeline.py::test_a_stage_whose_peer_stops_answering": "a worker frozen by SIGSTOP",
+    "tests/test_tensor_parallel.py::test_a_2d_rank_whose_peer_stops_answering": "a worker frozen by SIGSTOP",
+    "tests/test_multinode.py::test_elastic_restart_across_two_machines": "a worker killed, torchrun's restart",
+    "tests/test_fault_tolerance.py": "a group killed, restarted and healed",
+    "tests/test_debug_hang.py": "py-spy and the flight recorder find the workers among torchrun's children",
+    "tests/test_errors.py": "a failing worker's exit and teardown",
+    "tests/test_torch_range.py": "what a worker refuses at its start on a torch too old",
+    "tests/test_slurm_env.py": "the thread count set before torch starts",
+    "tests/test_cuda_defaults_and_no_host_sync.py": "what every process takes at its start",
+}
+AS_A_USER = ("as_a_user_runs_it", "as_users_run_it", "as_a_user_runs_them", "users_shell")
+
+
+def must_start_cold(nodeid):
+    """Whether the test's processes must start as a user's do: a new interpreter each (COLD's rule)."""
+    return (nodeid.startswith(tuple(COLD)) or nodeid.startswith(tuple(QUICK))
+            or any(words in nodeid for words in AS_A_USER))
+
+
+@pytest.fixture(autouse=True)
+def _cold_or_warm(request):
+    """Let the test start torchrun's workers warm unless it must start cold; after a cold one, check that the zygote
+    forked nothing while it ran (one zygote per pytest process, one test at a time in each)."""
+    from support import zygote
+
+    cold, started = must_start_cold(request.node.nodeid), zygote.now()
+    zygote.allowed = not cold
+    yield
+    zygote.allowed = False
+    if cold:
+        warm = [f for f in zygote.forks(started) if f[1] == "fork"]
+        assert not warm, f"{request.node.nodeid} must start cold, but {len(warm)} of its processes were forked warm"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: in `make test` (QUICK in tests/conftest.py)")
 
 
-# The tests of a SLURM cluster (those that use the slurm or two_nodes fixture): `make test-all` runs them on one worker.
-SLURM_TESTS = ("tests/test_slurm.py", "tests/test_slurm_requeue.py", "tests/test_slurm_cluster.py",
-               "tests/test_preflight_slurm.py", "tests/test_training_flags.py::test_16_bits_under_srun")
+# The tests of a SLURM cluster (those that use the slurm or two_nodes fixture), in two groups: each group runs on one
+# worker, which starts its own cluster (its own ports, folders and job ids), so the two groups run side by side.
+SLURM_TESTS = {
+    "slurm": ("tests/test_slurm.py", "tests/test_preflight_slurm.py", "tests/test_slurm_cluster.py",
+              "tests/test_training_flags.py::test_16_bits_under_srun"),
+    "slurm-requeue": ("tests/test_slurm_requeue.py",),
+}
 
 
 def group_of(nodeid):
-    """The worker group of a test: every SLURM test in one, so one local cluster runs at a time; a document's (or a
-    section's) commands in tests/test_docs.py alone, as they share no fixture; else its module, so a module's
-    module-wide runs are made once."""
-    if nodeid.startswith(SLURM_TESTS):
-        return "slurm"
+    """The worker group of a test: a SLURM group; a document's (or a section's) commands in tests/test_docs.py alone,
+    as they share no fixture; else its module, so a module's module-wide runs are made once."""
+    for group, entries in SLURM_TESTS.items():
+        if nodeid.startswith(entries):
+            return group
     return nodeid if nodeid.startswith("tests/test_docs.py::test_doc_commands_run[") else nodeid.split("::")[0]
+
+
+# Each group's wall seconds in a recorded run (python tests/support/cpu_time.py LOG writes them from a TESTS_CPU_LOG):
+# `make test-all`'s workers take the longest groups first, so that no long group starts last and runs alone.
+COSTS = Path(__file__).parent / "recorded" / "group_seconds.tsv"
+
+
+def by_cost(items):
+    """items with the groups in order of their recorded cost, longest first (a group not recorded: its tests' count
+    times the recorded mean per test); the tests of a group in their own order."""
+    recorded = {}
+    if COSTS.exists():
+        recorded = {group: float(s) for s, group in (line.split("\t") for line in COSTS.read_text().splitlines())}
+    groups = {}
+    for item in items:
+        groups.setdefault(group_of(item.nodeid), []).append(item)
+    per_test = sum(recorded.values()) / max(1, sum(len(g) for name, g in groups.items() if name in recorded))
+    cost = {name: recorded.get(name, per_test * len(tests)) for name, tests in groups.items()}
+    return [item for name in sorted(groups, key=lambda name: -cost[name]) for item in groups[name]]
 
 
 @pytest.hookimpl(optionalhook=True)  # a known hook only where pytest-xdist is installed
@@ -95,6 +162,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid):
             return group_of(nodeid)
 
+    config.option.loadscopereorder = False  # the groups in the order collected: by_cost's
     return ByGroup(config, log)
 
 
@@ -103,7 +171,7 @@ def pytest_collection_modifyitems(config, items):
     of a SLURM cluster."""
     unused = set(QUICK)
     for item in items:
-        if {"slurm", "two_nodes"} & set(getattr(item, "fixturenames", ())) and group_of(item.nodeid) != "slurm":
+        if {"slurm", "two_nodes"} & set(getattr(item, "fixturenames", ())) and group_of(item.nodeid) not in SLURM_TESTS:
             raise pytest.UsageError(f"{item.nodeid} starts a SLURM cluster: add it to conftest.SLURM_TESTS")
         for entry in QUICK:
             if item.nodeid.startswith(entry):
@@ -111,6 +179,8 @@ def pytest_collection_modifyitems(config, items):
                 unused.discard(entry)
     if len(items) > 400 and unused:  # the whole suite was collected: a stale entry would drop a test silently
         raise pytest.UsageError(f"conftest.QUICK names tests that do not exist: {sorted(unused)}")
+    if getattr(config.option, "loadgroup", False):  # on xdist's workers, whose collection the scheduler takes
+        items[:] = by_cost(items)
 
 
 @pytest.fixture(autouse=True)

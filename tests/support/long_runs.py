@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from measure.harness import descendants
+from support import zygote
 from support.run import TORCHRUN, no_abort_at_exit
 
 # Long enough epochs (200 steps) that a kill lands inside one; short enough to keep the suite quick. With momentum,
@@ -78,6 +79,7 @@ def children(pid):
 
 def worker_with_rank(launcher_pid, rank):
     """The training process below a launcher (torchrun or mp.spawn) whose environment or argv says this rank."""
+    zygote.must_be_cold("signals a worker")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         for pid in descendants(launcher_pid):
@@ -97,6 +99,7 @@ def freeze_a_rank_mid_training(procs, script, nprocs, args, run_dir, frozen, gra
     `frozen` (SIGSTOP) and time how long rank 0 goes on (at most 10 + grace seconds). The frozen rank is let go
     (SIGCONT) once rank 0 has ended, so that torchrun's SIGTERM reaches it at once rather than its SIGKILL 30 s
     later. Returns (seconds, exit code, stdout, stderr)."""
+    zygote.must_be_cold("signals a worker")
     args = [*map(str, args), "--epochs", "50", "--timeout", "10"]
     p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(nprocs), script, *args])
     deadline = time.monotonic() + first_test_within

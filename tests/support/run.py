@@ -11,7 +11,7 @@ import time
 import pytest
 
 from measure.harness import descendants
-from support import REPO
+from support import REPO, zygote
 
 # Every process a test starts: no download attempts, the CPU even where a GPU is visible (tests/test_gpu.py asks
 # for it), and one thread per process. The thread count alone moves the weights (1 vs 2 threads: 3e-6 after
@@ -87,7 +87,9 @@ class Procs:
         self.procs, self.ended = [], {}  # ended: what wait() read from each process that ended
 
     def start(self, cmd, **kw):
-        p = subprocess.Popen(cmd, cwd=kw.pop("cwd", REPO), env=kw.pop("env", BASE_ENV), stdout=subprocess.PIPE,
+        """cmd in a session of its own; torchrun's workers start warm where the test may (support/zygote.py)."""
+        env = zygote.warm(cmd, kw.pop("env", BASE_ENV))
+        p = subprocess.Popen(cmd, cwd=kw.pop("cwd", REPO), env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
         self.procs.append(p)
         return p
