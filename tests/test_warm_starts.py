@@ -43,7 +43,8 @@ def test_a_warm_run_trains_the_cold_runs_model_bit_for_bit(script, real_data, tm
 EXITS = """\
 import atexit, os, signal, sys
 atexit.register(lambda: print("atexit ran", flush=True))
-open(sys.argv[2], "w").write("written at exit")  # never closed: the interpreter's exit flushes it
+sys.kept = open(sys.argv[2], "w")  # never closed: the interpreter's exit writes what it holds
+sys.kept.write("written at exit")
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "env", os.environ.get("ASKED"))
 how = sys.argv[1]
 if how == "raise":

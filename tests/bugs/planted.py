@@ -713,6 +713,24 @@ MUTATIONS = [
         ["tests/test_slurm_env.py::test_torchrun_starts_with_the_warning_ignored_without_coreutils_8_31"],
         ("scripts/job_torchrun.sh", """bash -c 'trap "" USR1; exec torchrun "$@"' torchrun""",
          "env --ignore-signal=USR1 torchrun")),
+    # --- Warm starts: the zygote changes nothing but the cost of a worker's start, and never a cold test's ---
+    bug("zygote-warms-every-test", "the tests of the start, QUICK and 'as a user runs it' start cold",
+        ["tests/test_errors.py::test_a_rank_that_fails_with_a_collective_in_flight_says_its_line_and_leaves_at_once",
+         "tests/test_ddp.py::test_ddp_trains_the_same_model[torchrun-2]"],
+        ("tests/support/zygote.py", "    if not allowed or list(cmd", "    if list(cmd")),
+    bug("zygote-loses-unclosed-files", "a warm worker's exit writes its unclosed files, as the interpreter's does",
+        ["tests/test_warm_starts.py::test_a_warm_worker_exits_as_a_cold_one[0-0]"],
+        ("tests/programs/zygote.py", "obj.closed or obj.flush()", "obj.closed")),
+    bug("zygote-signals-not-forwarded", "a signal to the zygote's executable reaches the worker",
+        ["tests/test_warm_starts.py::test_signals_reach_the_worker_and_its_executables_death_ends_it"],
+        ("tests/programs/zygote_exec.py", "        signal.signal(sig, forward)\n", "")),
+    bug("zygote-orphans-its-worker", "a SIGKILLed executable takes its warm worker with it",
+        ["tests/test_warm_starts.py::test_signals_reach_the_worker_and_its_executables_death_ends_it"],
+        ("tests/programs/zygote.py", '    threading.Thread(target=watch, daemon=True, name="zygote-watch").start()\n', "")),
+    bug("zygote-ignores-import-time-variables", "a request whose import-time variables differ runs cold",
+        ["tests/test_warm_starts.py::test_a_request_whose_start_differs_runs_cold"],
+        ("tests/programs/zygote.py", "    return sorted(k for k in keys if env.get(k) != STARTED_WITH.get(k))",
+         "    return []")),
 ]
 
 
