@@ -3,6 +3,7 @@ two machines; `make test`'s set (QUICK), and the workers' groups. What the tests
 tests/support/, the programs they start in tests/programs/."""
 import importlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,7 @@ def _cold_or_warm(request):
     forked nothing while it ran (one zygote per pytest process, one test at a time in each)."""
     from support import zygote
 
-    cold, started = must_start_cold(request.node.nodeid), zygote.now()
+    cold, started = must_start_cold(request.node.nodeid), time.time()
     zygote.allowed = not cold
     yield
     zygote.allowed = False

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from support import REPO
@@ -51,12 +50,8 @@ def must_be_cold(why):
 
 
 def forks(since):
-    """[(time, pid, cpu, test)] of the children the zygote forked (event "fork") or reaped ("end") since `since`."""
+    """[(time, event, pid, cpu, test)] of the children the zygote forked (event "fork") or reaped ("end") since `since`."""
     if "folder" not in _zygote:
         return []
     rows = [line.split("\t") for line in (_zygote["folder"] / "forks.log").read_text().splitlines()]
     return [(float(t), event, int(pid), float(cpu), test) for t, event, pid, cpu, test in rows if float(t) >= since]
-
-
-def now():
-    return time.time()
