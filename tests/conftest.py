@@ -10,9 +10,8 @@ import pytest
 
 from support.data import make_fake_fashion_mnist, real_data_dir  # support first: it puts the project on sys.path
 from support.cpu_time import pytest_runtest_protocol  # noqa: F401  (a hook: TESTS_CPU_LOG=FILE, CPU seconds per test)
-from support.run import Procs, run_script
-from support.same_model import load_state, slice_args
-from scripts.plot_curves import read_metrics
+from support.run import Procs
+from support.shared_runs import chapter_1_reference
 
 # The pytest process takes CUDA's defaults where the CPU's differ, as every process it starts does (support/run.py's
 # BASE_ENV puts tests/programs/cuda_defaults on their PYTHONPATH). TUTORIAL_CPU_DEFAULTS=1 leaves the CPU's.
@@ -231,11 +230,9 @@ def real_data():
 
 @pytest.fixture(scope="session")
 def reference(real_data, tmp_path_factory):
-    """single_gpu.py on SLICE: (state_dict, stdout, metrics), the model every distributed run must reproduce."""
-    out = tmp_path_factory.mktemp("single")
-    proc = run_script("single_gpu.py", *slice_args(real_data, out))
-    assert proc.returncode == 0, proc.stderr
-    return load_state(out / "model.pth"), proc.stdout, read_metrics(out)
+    """single_gpu.py on SLICE: (state_dict, stdout, metrics), the model every distributed run must reproduce (made
+    once for both workers: support/shared_runs.py)."""
+    return chapter_1_reference(tmp_path_factory, real_data)
 
 
 @pytest.fixture(scope="session")

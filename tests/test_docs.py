@@ -28,6 +28,7 @@ from support import REPO
 from support.data import make_fake_fashion_mnist
 from support.launchers import stale_rendezvous_file
 from support.ports import free_port
+from support.shared_runs import made_once
 from support.run import BASE_ENV, TORCHRUN, no_abort_at_exit, run_script
 
 # (pattern, reason): commands that are not run here, and why. A doc command must match one, or run.
@@ -221,47 +222,76 @@ def test_every_link_between_the_docs_leads_to_a_file_and_its_heading():
     assert not broken, broken
 
 
+def earlier_runs():
+    """The commands a section's test runs first for what they wrote (commands_of): another section's."""
+    return {command for doc, section in doc_runs() if section for command in commands_of(doc, section)
+            if command not in to_run(doc, dict(doc_sections(doc))[section])}
+
+
 @pytest.mark.parametrize("doc,section", doc_runs(), ids=[run_id(*run) for run in doc_runs()])
-def test_doc_commands_run(doc, section, real_data, workspace):
+def test_doc_commands_run(doc, section, real_data, workspace, tmp_path_factory):
     """The commands of a document, or of one `## ` section of a SPLIT one in a folder of its own: a section that
-    reads what an earlier one wrote (runs/NAME) first runs the earlier command that wrote it (commands_of), e.g.
+    reads what an earlier one wrote (runs/NAME) first takes what the earlier command wrote (commands_of), e.g.
     RUN.md's compares chapter 1's `python single_gpu.py`; each command exits as the document says, with no traceback
-    of ours."""
+    of ours. An earlier section's command runs once in the suite, in a fresh folder like this one (its own section's
+    test, or the first test to need it): what it wrote is copied into every other test's folder that needs it."""
     bin_dir = Path(sys.executable).parent  # python, torchrun: the ones the suite runs with
     env = dict(BASE_ENV, PATH=f"{bin_dir}{os.pathsep}{BASE_ENV.get('PATH', '')}")
     env.pop("SLURM_JOB_ID", None)
-    port = free_port()
-    ran, killed = 0, False
+    port, shared, killed = free_port(), earlier_runs(), [False]
+    mine = to_run(doc, dict(doc_sections(doc))[section]) if section else commands_of(doc, section)
+
+    def keep(command, folder):
+        """Copy what command wrote in the workspace into folder."""
+        for path in written(command):
+            if (workspace / path).exists():
+                (folder / path).parent.mkdir(parents=True, exist_ok=True)
+                (shutil.copytree if (workspace / path).is_dir() else shutil.copy2)(workspace / path, folder / path)
+
     for command, status in commands_of(doc, section):
-        cmd = runnable(command, real_data, port)
-        slurm_run = workspace / "runs" / "ddp_slurm"
-        if "runs/ddp_slurm" in command and not slurm_run.exists():
-            # The SLURM chapter's run comes from a cluster (not started here); chapter 4's run, the same model by
-            # construction, stands in for it. tests/test_slurm.py checks the real job's metrics against chapter 1.
-            shutil.copytree(workspace / "runs" / "ddp_mp", slurm_run)
-        proc = subprocess.run(["bash", "-c", cmd], cwd=workspace, env=env, capture_output=True, text=True, timeout=300)
-        no_abort_at_exit(proc.stderr)
-        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # a signal, as a shell shows it
-        assert code == (status or 0), f"{doc}: `{command}` exited {code}, expected {status or 0}\n" \
-                                           f"ran: {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        # No traceback of ours. torchrun ends a failed job with its own report (a traceback of its launcher, then
-        # each worker's from its error file): that report is torchrun's, and is cut off before the check.
-        ours = re.sub(r'Traceback \(most recent call last\):\n  File "[^"]*/torchrun".*', "", proc.stderr, flags=re.S)
-        assert "Traceback" not in ours, f"{doc}: `{command}`\n{proc.stderr[-3000:]}"
-        # The kill demos really kill mid-run, and what runs next resumes: torchrun at once, a rerun by hand.
-        # torchrun's report names the failure it dates first: the killed rank (exitcode -9), or rank 0 (exitcode 1),
-        # which saw its peer's connection close and wrote its error file (@record) before torchrun's next poll came
-        # (3 of 6 runs here). Either way a new group must start and resume from the snapshot before the last epoch.
-        if "pgrep -f ddp_launch.py" in command:
-            assert re.search(r"failed \(exitcode: (-9|1)\) local_rank", proc.stderr), proc.stderr
-            assert proc.stdout.count("Config:") == 2, proc.stdout  # the group torchrun restarted
-            resumed = re.search(r"Resuming from runs/snap-ddp\.pt: (\d) of 5 epochs done", proc.stdout)
-            assert resumed and int(resumed[1]) < 5, proc.stdout
-        if killed:
-            assert "Resuming from runs/snap.pt" in proc.stdout, proc.stdout
-        killed = "kill -9 $!" in command
-        ran += 1
-    assert ran >= 1
+        if (command, status) in mine:
+            run_doc_command(doc, command, status, workspace, real_data, port, env, killed)
+            if command in shared:  # what a later section takes, made by the very command it would run
+                made_once(tmp_path_factory, "doc-run " + command, lambda folder: keep(command, folder))
+            continue
+        here = []
+        made = made_once(tmp_path_factory, "doc-run " + command, lambda folder: (
+            run_doc_command(doc, command, status, workspace, real_data, port, env, killed), keep(command, folder),
+            here.append(True)))
+        if not here:  # another test ran it: its files, as this one would have written them
+            shutil.copytree(made, workspace, dirs_exist_ok=True)
+
+
+def run_doc_command(doc, command, status, workspace, real_data, port, env, killed):
+    """One command in workspace: it exits as doc says (status, or 0), with no traceback of ours; killed[0] says
+    whether the one before killed a run, which this one must then resume."""
+    cmd = runnable(command, real_data, port)
+    slurm_run = workspace / "runs" / "ddp_slurm"
+    if "runs/ddp_slurm" in command and not slurm_run.exists():
+        # The SLURM chapter's run comes from a cluster (not started here); chapter 4's run, the same model by
+        # construction, stands in for it. tests/test_slurm.py checks the real job's metrics against chapter 1.
+        shutil.copytree(workspace / "runs" / "ddp_mp", slurm_run)
+    proc = subprocess.run(["bash", "-c", cmd], cwd=workspace, env=env, capture_output=True, text=True, timeout=300)
+    no_abort_at_exit(proc.stderr)
+    code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # a signal, as a shell shows it
+    assert code == (status or 0), f"{doc}: `{command}` exited {code}, expected {status or 0}\n" \
+                                       f"ran: {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    # No traceback of ours. torchrun ends a failed job with its own report (a traceback of its launcher, then
+    # each worker's from its error file): that report is torchrun's, and is cut off before the check.
+    ours = re.sub(r'Traceback \(most recent call last\):\n  File "[^"]*/torchrun".*', "", proc.stderr, flags=re.S)
+    assert "Traceback" not in ours, f"{doc}: `{command}`\n{proc.stderr[-3000:]}"
+    # The kill demos really kill mid-run, and what runs next resumes: torchrun at once, a rerun by hand.
+    # torchrun's report names the failure it dates first: the killed rank (exitcode -9), or rank 0 (exitcode 1),
+    # which saw its peer's connection close and wrote its error file (@record) before torchrun's next poll came
+    # (3 of 6 runs here). Either way a new group must start and resume from the snapshot before the last epoch.
+    if "pgrep -f ddp_launch.py" in command:
+        assert re.search(r"failed \(exitcode: (-9|1)\) local_rank", proc.stderr), proc.stderr
+        assert proc.stdout.count("Config:") == 2, proc.stdout  # the group torchrun restarted
+        resumed = re.search(r"Resuming from runs/snap-ddp\.pt: (\d) of 5 epochs done", proc.stdout)
+        assert resumed and int(resumed[1]) < 5, proc.stdout
+    if killed[0]:
+        assert "Resuming from runs/snap.pt" in proc.stdout, proc.stdout
+    killed[0] = "kill -9 $!" in command
 
 
 # ---- docs/troubleshooting.md: every message it shows is one the scripts (or torchrun) really print ----

@@ -81,15 +81,26 @@ def momentum_run(real_data, tmp_path_factory, procs_module):
     return load_state(out / "model.pth"), read_metrics(out)
 
 
-@pytest.mark.parametrize("resume_world,bound", [(3, RESHARDED), (2, 0)], ids=["2-to-3", "2-to-2"])
-def test_snapshot_saved_on_2_ranks_resumes_on_another_count(resume_world, bound, momentum_run, real_data, tmp_path,
-                                                            procs):
-    snap, out = tmp_path / "snap", tmp_path / "run"
-    args = [*slice_args(real_data, out), *MOMENTUM, "--snapshot", snap, "--timeout", "60"]
-    code, _, err = torchrun(2, [*args, "--epochs", "1"], procs)
+@pytest.fixture(scope="module")
+def first_epoch_on_2_ranks(real_data, tmp_path_factory, procs_module):
+    """momentum_run's epoch 1 alone, with --snapshot: the folder holding its run/ (metrics.jsonl) and snap/."""
+    folder = tmp_path_factory.mktemp("fsdp-epoch-1")
+    code, _, err = torchrun(2, [*slice_args(real_data, folder / "run"), *MOMENTUM, "--snapshot", folder / "snap",
+                                "--timeout", "60", "--epochs", "1"], procs_module)
     assert code == 0, err
+    return folder
+
+
+@pytest.mark.parametrize("resume_world,bound", [(3, RESHARDED), (2, 0)], ids=["2-to-3", "2-to-2"])
+def test_snapshot_saved_on_2_ranks_resumes_on_another_count(resume_world, bound, momentum_run, first_epoch_on_2_ranks,
+                                                            real_data, tmp_path, procs):
+    """Epoch 1 on 2 ranks (the same run for both cases, copied), epoch 2 on resume_world."""
+    snap, out = tmp_path / "snap", tmp_path / "run"
+    shutil.copytree(first_epoch_on_2_ranks / "snap", snap)
+    shutil.copytree(first_epoch_on_2_ranks / "run", out)
     assert sorted(p.name for p in (snap / "epoch-1").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                      "snapshot.pt"]
+    args = [*slice_args(real_data, out), *MOMENTUM, "--snapshot", snap, "--timeout", "60"]
     code, log, err = torchrun(resume_world, args, procs)  # SLICE's --epochs 2
     assert code == 0, err
     assert f"Resuming from {snap / 'epoch-1'} (saved by 2 ranks, loaded by {resume_world}): 1 of 2 epochs done" in log

@@ -7,10 +7,11 @@ from pipeline import pipelining_missing
 from scripts.plot_curves import read_metrics
 from support import REPO
 from support.launchers import TORCHRUN_ENV
-from support.run import Runs, run_forked_cases, run_script, torchrun_script
+from support.run import Runs, run_forked_cases, torchrun_script
 from support.long_runs import freeze_a_rank_mid_training
-from support.same_model import (SAME_MODEL, SLICE, accuracy_lines, assert_same_curves, load_state, max_abs_diff,
+from support.same_model import (SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff,
                                 printed_test_losses, slice_args)
+from support.shared_runs import chapter_1
 
 pytestmark = pytest.mark.skipif(bool(pipelining_missing()), reason=str(pipelining_missing()))  # torch 2.6: refused
 # Measured on torch 2.14.1, 1 thread per rank: 3.7e-9 at 2 and 3 stages, both schedules, on SLICE and on 996 images
@@ -84,16 +85,16 @@ def test_each_stage_holds_its_layers(pipeline_runs):
 
 
 @pytest.mark.parametrize("world,schedule", [(2, "gpipe"), (3, "1f1b")])
-def test_a_short_last_step_is_padded_and_counts_only_its_images(world, schedule, real_data, tmp_path, procs):
+def test_a_short_last_step_is_padded_and_counts_only_its_images(world, schedule, real_data, tmp_path, procs,
+                                                                 tmp_path_factory):
     """996 images: the last step has 36, padded to the 48 the stages exchange; the padding adds no loss, no gradient."""
-    args = [*SLICE, *SHORT_STEP, "--data-dir", real_data, "--timeout", "60"]
-    single = run_script("single_gpu.py", *args, "--output", tmp_path / "single")
-    assert single.returncode == 0, single.stderr
-    code, log, err = torchrun(world, [*args, "--schedule", schedule, "--output", tmp_path / "pp"], procs)
+    single, single_log = chapter_1(tmp_path_factory, real_data, *SHORT_STEP)  # test_training_flags.py's too
+    code, log, err = torchrun(world, [*slice_args(real_data, tmp_path / "pp"), *SHORT_STEP, "--schedule", schedule,
+                                      "--timeout", "60"], procs)
     assert code == 0, err
-    assert max_abs_diff(load_state(tmp_path / "single" / "model.pth"), load_state(tmp_path / "pp" / "model.pth")) <= SAME_MODEL
-    assert accuracy_lines(log) == accuracy_lines(single.stdout)
-    assert_same_curves(read_metrics(tmp_path / "pp"), read_metrics(tmp_path / "single"))
+    assert max_abs_diff(load_state(single / "model.pth"), load_state(tmp_path / "pp" / "model.pth")) <= SAME_MODEL
+    assert accuracy_lines(log) == accuracy_lines(single_log)
+    assert_same_curves(read_metrics(tmp_path / "pp"), read_metrics(single))
 
 
 def test_a_snapshot_of_2_stages_resumes_on_3(real_data, tmp_path, procs):

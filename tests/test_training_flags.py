@@ -11,6 +11,7 @@ from support import REPO
 from support.launchers import launch
 from support.run import BASE_ENV, TORCHRUN, one_error_line, run_forked_cases, run_script
 from support.same_model import SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
+from support.shared_runs import chapter_1, chapter_1_reference
 
 # --accum-steps K at 1, 2 and 3 ranks (K = 1 is test_ddp's): the same 48-image global batch as chapter 1, on 996
 # images: 20 full steps and a short last one of 36, which splits into uneven micro-batches (24 + 12 at 1 rank, K = 2)
@@ -42,11 +43,8 @@ def train(kind, world, real_data, out, procs, *flags):
 
 @pytest.fixture(scope="module")
 def accum_reference(real_data, tmp_path_factory):
-    """Chapter 1 on the 996 images without accumulation: (state_dict, stdout, metrics)."""
-    out = tmp_path_factory.mktemp("accum-reference")
-    proc = run_script("single_gpu.py", *slice_args(real_data, out), *ACCUM_SAMPLES)
-    assert proc.returncode == 0, proc.stderr
-    return load_state(out / "model.pth"), proc.stdout, read_metrics(out)
+    """Chapter 1 on the 996 images without accumulation: (state_dict, stdout, metrics); test_pipeline.py's too."""
+    return chapter_1_reference(tmp_path_factory, real_data, *ACCUM_SAMPLES)
 
 
 @pytest.mark.parametrize("kind,world,k", ACCUM, ids=[f"{kind}-{world}-K{k}" for kind, world, k in ACCUM])
@@ -127,14 +125,22 @@ NEARER = 2  # the bf16 curve at least this many times nearer chapter 1's bf16 cu
 
 @pytest.fixture(scope="module")
 def precision_reference(real_data, tmp_path_factory):
-    """Chapter 1 on the slice at fp32, bf16 and fp16: {precision: (log, losses of metrics.jsonl)}."""
+    """Chapter 1 on the slice at fp32, bf16 and fp16, made once for both workers (the SLURM group's srun test needs
+    them too): {precision: (log, losses of metrics.jsonl, the folder it saved to)}."""
     runs = {}
     for precision in ("fp32", "bf16", "fp16"):
-        out = tmp_path_factory.mktemp(precision)
-        proc = run_script("single_gpu.py", *slice_args(real_data, out), *BF16, "--precision", precision)
-        assert proc.returncode == 0, proc.stderr
-        runs[precision] = proc.stdout, _losses(read_metrics(out))
+        out, log = chapter_1(tmp_path_factory, real_data, *BF16, "--precision", precision)
+        runs[precision] = log, _losses(read_metrics(out)), out
     return runs
+
+
+def train_16_bits(kind, world, precision, precision_reference, real_data, out, procs):
+    """train() at --precision: (stdout, the folder it saved to). Chapter 1's run is the reference's own, the same
+    command on the same data."""
+    if kind == "single":
+        log, _, folder = precision_reference[precision]
+        return log, folder
+    return train(kind, world, real_data, out, procs, *BF16, "--precision", precision), out
 
 
 def _accuracies(log):
@@ -151,12 +157,12 @@ LAUNCHERS = [("single", 1), ("dataparallel", 1), ("torchrun", 2), ("mp", 3), ("t
 @pytest.mark.parametrize("kind,world", LAUNCHERS, ids=[f"{kind}-{world}" for kind, world in LAUNCHERS])
 def test_bf16_through_every_launcher(kind, world, precision_reference, real_data, tmp_path, procs):
     """bf16 ran: chapter 1's bf16 losses, not its fp32 ones; and the model learned as much as in fp32."""
-    log = train(kind, world, real_data, tmp_path / "run", procs, *BF16, "--precision", "bf16")
-    _assert_bf16_ran(log, read_metrics(tmp_path / "run"), precision_reference)
+    log, out = train_16_bits(kind, world, "bf16", precision_reference, real_data, tmp_path / "run", procs)
+    _assert_bf16_ran(log, read_metrics(out), precision_reference)
     # The test loss is summed from float32 logits. From bf16 ones each rank's sum (250 images, 450 to 550) would be
     # rounded to bf16, whose steps there are 2 or 4: the total a multiple of 2. float32 sums land on one by chance
     # with odds of about 1 in 60,000 an epoch.
-    for record in read_metrics(tmp_path / "run"):
+    for record in read_metrics(out):
         if record["kind"] == "epoch":
             total = record["test_loss"] * 500
             assert abs(total / 2 - round(total / 2)) > 1e-9, (record, "the test loss was summed in bf16")
@@ -168,8 +174,8 @@ def test_bf16_through_every_launcher(kind, world, precision_reference, real_data
 # same steps. (tests/test_model_engine.py makes a step overflow and checks the skip and the halving.)
 @pytest.mark.parametrize("kind,world", LAUNCHERS[:-1], ids=[f"{kind}-{world}" for kind, world in LAUNCHERS[:-1]])
 def test_fp16_with_its_scaler_through_every_launcher(kind, world, precision_reference, real_data, tmp_path, procs):
-    log = train(kind, world, real_data, tmp_path / "run", procs, *BF16, "--precision", "fp16")
-    _assert_fp16_ran(log, read_metrics(tmp_path / "run"), precision_reference)
+    log, out = train_16_bits(kind, world, "fp16", precision_reference, real_data, tmp_path / "run", procs)
+    _assert_fp16_ran(log, read_metrics(out), precision_reference)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -190,7 +196,7 @@ def _scales(log):
 
 
 def _assert_fp16_ran(log, metrics, reference):
-    (fp32_log, _), (fp16_log, fp16_losses) = reference["fp32"], reference["fp16"]
+    (fp32_log, *_), (fp16_log, fp16_losses, _) = reference["fp32"], reference["fp16"]
     losses = _losses(metrics)
     assert "precision=fp16" in log and len(losses) == len(fp16_losses)
     assert len(_scales(fp16_log)) == 2 and _scales(log) == _scales(fp16_log), log  # a scaler ran, as in chapter 1
@@ -200,7 +206,7 @@ def _assert_fp16_ran(log, metrics, reference):
 
 
 def _assert_bf16_ran(log, metrics, bf16_reference):
-    (fp32_log, fp32_losses), (_, bf16_losses) = bf16_reference["fp32"], bf16_reference["bf16"]
+    (fp32_log, fp32_losses, _), (_, bf16_losses, _) = bf16_reference["fp32"], bf16_reference["bf16"]
     losses = _losses(metrics)
     assert "precision=bf16" in log and len(losses) == len(bf16_losses)
     first = losses[0]
