@@ -5,6 +5,7 @@ the bytes per step on the shaped link: tests/test_scaling.py.
 """
 import io
 import json
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import torch
 from common.model import NeuralNetwork
 from support import REPO
 from support.launchers import launch
-from support.run import BASE_ENV, run_code, run_forked_cases, run_script
+from support.run import BASE_ENV, Runs, run_code, run_forked_cases, run_script
 from support.same_model import accuracy_lines, load_state, max_abs_diff, slice_args
 
 RESUMED = 0.0  # a resumed run against the uninterrupted one: the same steps, in the same memory layout
@@ -26,18 +27,40 @@ def train(kind, world, real_data, out, procs, *flags):
     return log
 
 
+@pytest.fixture(scope="module")
+def first_epochs(real_data, tmp_path_factory, procs_module):
+    """Epoch 1 of a 2-rank run with --snapshot, by (kind, flags), each made when a test first asks for it (two tests
+    resume chapter 4's PowerSGD one): the folder holding its run/ and snap.pt. A test copies it and resumes the copy."""
+    def make(case):
+        kind, flags = case
+        folder = tmp_path_factory.mktemp("epoch-1")
+        train(kind, 2, real_data, folder / "run", procs_module, *flags, "--snapshot", str(folder / "snap.pt"),
+              "--epochs", "1")
+        return folder
+
+    return Runs(make)
+
+
+def resume_from(first_epochs, kind, flags, tmp_path, run):
+    """A copy of (kind, flags)'s epoch 1 in tmp_path: run/ as tmp_path/run, its snapshot as tmp_path/snap.pt."""
+    folder = first_epochs[kind, tuple(flags)]
+    shutil.copytree(folder / "run", tmp_path / run)
+    shutil.copy2(folder / "snap.pt", tmp_path / "snap.pt")
+
+
 @pytest.mark.parametrize("kind,hook,flags", [("mp", "powersgd", ()), ("torchrun", "powersgd:2:5", ()),
                                              ("torchrun", "localsgd:4:3", ("--momentum", "0.9"))],
                          ids=["mp-powersgd", "torchrun-powersgd:2:5", "torchrun-localsgd:4:3-momentum"])
-def test_a_hook_with_state_resumes_as_the_uninterrupted_run(kind, hook, flags, real_data, tmp_path, procs):
+def test_a_hook_with_state_resumes_as_the_uninterrupted_run(kind, hook, flags, first_epochs, real_data, tmp_path,
+                                                            procs):
     """PowerSGD's residuals (each rank's own), factors and step count go into --snapshot: epoch 2 of a resumed run is
     epoch 2 of the uninterrupted one. A new DDP's first step holds its bucket in the model's order, later steps in
     the reverse: the residuals kept in the one are put in the order of the other. Post-local SGD's step counts go in
     too, and each epoch ends with the ranks' weights and momentum averaged: rank 0's snapshot is every rank's."""
     straight = train(kind, 2, real_data, tmp_path / "straight", procs, "--comm-hook", hook, *flags)
-    snap = ["--comm-hook", hook, *flags, "--snapshot", str(tmp_path / "snap.pt")]
-    train(kind, 2, real_data, tmp_path / "resumed", procs, *snap, "--epochs", "1")
-    log = train(kind, 2, real_data, tmp_path / "resumed", procs, *snap)
+    resume_from(first_epochs, kind, ["--comm-hook", hook, *flags], tmp_path, "resumed")
+    log = train(kind, 2, real_data, tmp_path / "resumed", procs, "--comm-hook", hook, *flags, "--snapshot",
+                str(tmp_path / "snap.pt"))
     assert "Resuming from" in log and "1 of 2 epochs done" in log, log
     assert max_abs_diff(load_state(tmp_path / "straight" / "model.pth"),
                         load_state(tmp_path / "resumed" / "model.pth")) <= RESUMED
@@ -78,10 +101,10 @@ def each_rank_line_says(err, world, needle):
     assert all(needle in line for line in lines) and "Traceback" not in err, err
 
 
-def test_powersgd_snapshot_at_another_world_size_is_one_line_per_rank(real_data, tmp_path, procs):
-    snap = ["--comm-hook", "powersgd", "--snapshot", str(tmp_path / "snap.pt"), "--batch-size", "48"]
-    train("mp", 2, real_data, tmp_path / "run", procs, *snap, "--epochs", "1")
-    codes, _, err = launch("mp", 3, real_data, tmp_path / "run", procs, extra=snap)
+def test_powersgd_snapshot_at_another_world_size_is_one_line_per_rank(first_epochs, real_data, tmp_path, procs):
+    resume_from(first_epochs, "mp", ["--comm-hook", "powersgd"], tmp_path, "run")  # at SLICE's --batch-size 48
+    codes, _, err = launch("mp", 3, real_data, tmp_path / "run", procs,
+                           extra=["--comm-hook", "powersgd", "--snapshot", str(tmp_path / "snap.pt")])
     assert codes == [1], err
     each_rank_line_says(err, 3, f"snapshot {tmp_path / 'snap.pt'} holds PowerSGD's residuals of 2 ranks, this run has 3")
 

@@ -29,7 +29,7 @@ from support.data import make_fake_fashion_mnist
 from support.launchers import stale_rendezvous_file
 from support.ports import free_port
 from support.shared_runs import made_once
-from support.run import BASE_ENV, TORCHRUN, no_abort_at_exit, run_script
+from support.run import BASE_ENV, TORCHRUN, no_abort_at_exit, run_forked, run_script
 
 # (pattern, reason): commands that are not run here, and why. A doc command must match one, or run.
 NOT_RUN_HERE = [
@@ -478,21 +478,40 @@ def _test_body(nodeid):
     return ast.get_source_segment(source, function)
 
 
+@pytest.fixture(scope="module")
+def troubleshooting_scenes(request, tmp_path_factory):
+    """Each scene this session's tests ask for, each in a folder of its own: {message: (returncode, stderr)}. A scene
+    that is one run of a script is forked from a process that imported torch once (run_forked), all of them at once,
+    and one whose cause is in the start (a PYTHONPATH of its own, CUDA_*, the compiler's switches) starts a new
+    interpreter there; the others (two ranks by hand, torchrun) run as they are."""
+    test = "test_troubleshooting_message_is_what_the_script_prints"
+    wanted = [item.callspec.params["message"] for item in request.session.items if item.path == request.node.path
+              and getattr(item, "originalname", None) == test and hasattr(item, "callspec")]
+    scenes, runs = {}, {}
+    with ExitStack() as stack:
+        for message in wanted:
+            (key,) = [key for key in MAKE_IT_PRINT if key in message]
+            if not isinstance(MAKE_IT_PRINT[key], str):  # a str: a test elsewhere asserts the words
+                tmp = tmp_path_factory.mktemp("scene")
+                scene = MAKE_IT_PRINT[key](tmp, stack)
+                if len(scene) == 3:
+                    runs[message] = (*scene, tmp)
+                else:
+                    scenes[message] = scene
+        for message, proc in zip(runs, run_forked(list(runs.values()))):
+            scenes[message] = proc.returncode, proc.stderr
+        yield scenes  # the tmpfs mounts stay until the module ends
+
+
 @pytest.mark.parametrize("message", troubleshooting_messages())
-def test_troubleshooting_message_is_what_the_script_prints(message, tmp_path):
+def test_troubleshooting_message_is_what_the_script_prints(message, troubleshooting_scenes):
     """The message, with `...` for the parts that vary, starts a line the script really writes to stderr."""
     (key,) = [key for key in MAKE_IT_PRINT if key in message]
     how = MAKE_IT_PRINT[key]
     if isinstance(how, str):  # only a GPU or two machines print it: that test asserts these words itself
         assert key in _test_body(how), f"{how} no longer checks {key!r}"
         return
-    with ExitStack() as stack:
-        scene = how(tmp_path, stack)
-        if len(scene) == 3:
-            script, args, env = scene
-            proc = run_script(script, *args, cwd=tmp_path, env=env, timeout=120)
-            scene = proc.returncode, proc.stderr
-    code, stderr = scene
+    code, stderr = troubleshooting_scenes[message]
     no_abort_at_exit(stderr)
     errors = [line for line in stderr.splitlines() if "error:" in line]
     assert code in (1, 2) and "Traceback" not in stderr, stderr

@@ -729,7 +729,7 @@ MUTATIONS = [
         ("tests/programs/zygote.py", '    threading.Thread(target=watch, daemon=True, name="zygote-watch").start()\n', "")),
     bug("zygote-ignores-import-time-variables", "a request whose import-time variables differ runs cold",
         ["tests/test_warm_starts.py::test_a_request_whose_start_differs_runs_cold"],
-        ("tests/programs/zygote.py", "    return sorted(k for k in keys if env.get(k) != STARTED_WITH.get(k))",
+        ("tests/programs/import_time.py", "    return sorted(k for k in keys if env.get(k) != started_with.get(k))",
          "    return []")),
 ]
 

@@ -23,7 +23,6 @@ import gc
 import io
 import json
 import os
-import re
 import runpy
 import select
 import signal
@@ -31,6 +30,8 @@ import socket
 import sys
 import threading
 import time
+
+from import_time import differs
 
 STARTED_WITH = dict(os.environ)  # before torch's imports, which set some variables of their own
 
@@ -51,17 +52,7 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the optimizers'
 
 ADDED_BY_IMPORTS = {k: v for k, v in os.environ.items() if k not in STARTED_WITH}  # as a cold worker's imports would
 
-# Variables read while Python starts or torch is imported: a child would keep this process's values of them.
-# (PYTHON_EXEC names the executable itself; PYTHONUNBUFFERED is torchrun's -u, which the children take.)
-IMPORT_TIME = re.compile(r"(OMP_|MKL_|KMP_|GOMP_|OPENBLAS_|PYTHON(?!_EXEC$|UNBUFFERED$)|LD_|CUDA_|TORCHDYNAMO|"
-                         r"TORCHINDUCTOR|TORCH_LOGS|TORCH_CPP|TORCH_COMPILE|TORCH_SHOW|TESTS_STEP|TUTORIAL_)")
 FRAME = 1 << 20  # the most bytes one request may take
-
-
-def differs(env):
-    """The import-time variables whose value (or presence) differs between env and this process: [] if none."""
-    keys = {k for k in (*env, *STARTED_WITH) if IMPORT_TIME.match(k)}
-    return sorted(k for k in keys if env.get(k) != STARTED_WITH.get(k))
 
 
 def parse(argv):
@@ -191,7 +182,7 @@ def serve(folder):
             except (OSError, ValueError):
                 conn.close()
                 continue
-            why = differs(request["env"]) or ([] if parse(request["argv"]) else ["argv"])
+            why = differs(request["env"], STARTED_WITH) or ([] if parse(request["argv"]) else ["argv"])
             if why or len(fds) != 3:
                 for fd in fds:
                     os.close(fd)

@@ -57,10 +57,11 @@ def run_code(code, *args):
 
 
 def run_forked(cases, timeout=120):
-    """[(script, args, extra env)] -> [CompletedProcess], as run_script gives them, each case in a process of its own
-    forked from one that imported torch once (tests/programs/forkrun.py): for the many short runs that end at a flag."""
-    payload = [dict(script=str(REPO / script), args=list(map(str, args)), env={**BASE_ENV, **env}, timeout=timeout)
-               for script, args, env in cases]
+    """[(script, args, extra env[, folder to run in])] -> [CompletedProcess], as run_script gives them, each case in a
+    process of its own forked from one that imported torch once (tests/programs/forkrun.py): for the many short runs
+    that end at a flag."""
+    payload = [dict(script=str(REPO / script), args=list(map(str, args)), env={**BASE_ENV, **env}, timeout=timeout,
+                    cwd=str(cwd[0]) if cwd else None) for script, args, env, *cwd in cases]
     proc = subprocess.run([sys.executable, str(FORKRUN)], input=json.dumps(payload), cwd=REPO,
                           env=BASE_ENV, capture_output=True, text=True, timeout=timeout * len(cases) + 60)
     assert proc.returncode == 0, proc.stderr
