@@ -727,6 +727,11 @@ MUTATIONS = [
     bug("zygote-orphans-its-worker", "a SIGKILLed executable takes its warm worker with it",
         ["tests/test_warm_starts.py::test_signals_reach_the_worker_and_its_executables_death_ends_it"],
         ("tests/programs/zygote.py", '    threading.Thread(target=watch, daemon=True, name="zygote-watch").start()\n', "")),
+    bug("forkrun-forks-what-must-start-cold", "a forked case whose environment sets a variable read at the start "
+        "runs in a new interpreter (here a PYTHONPATH whose sitecustomize shows torch two GPUs)",
+        ["tests/test_docs.py::test_troubleshooting_message_is_what_the_script_prints[error: 4 ranks on this machine "
+         "but 2 GPU(s) visible ...]"],
+        ("tests/programs/forkrun.py", "    if differs(env, STARTED_WITH):\n", "    if False:\n")),
     bug("zygote-ignores-import-time-variables", "a request whose import-time variables differ runs cold",
         ["tests/test_warm_starts.py::test_a_request_whose_start_differs_runs_cold"],
         ("tests/programs/import_time.py", "    return sorted(k for k in keys if env.get(k) != started_with.get(k))",
