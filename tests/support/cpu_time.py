@@ -1,9 +1,9 @@
 """TESTS_CPU_LOG=FILE: each test's CPU seconds (its own and its finished subprocesses', torchrun's workers among them,
 those the zygote forked included) and wall seconds, appended to FILE as `cpu<TAB>wall<TAB>torch<TAB>test id<TAB>
-start time<TAB>xdist worker`. What makes `make test-all` long is CPU:
-its two workers keep both cores busy (0.5% idle in a measured run), so a test's waits cost little and its processes'
-start-ups and steps cost all. A module's fixture counts in its first test; a SLURM job's processes, which slurmd starts,
-are not counted. docs/tests.md has a run's sums per file."""
+start time<TAB>xdist worker`. Most of `make test-all`'s time is CPU: processes starting and training. The rest is the
+tests that wait on purpose (a link cut, a rank frozen, a SLURM job queued), during which the other worker has the
+cores. A module's fixture counts in its first test; a SLURM job's processes, which slurmd starts, are not counted.
+docs/tests.md has a run's sums per file."""
 import os
 import resource
 import time
