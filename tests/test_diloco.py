@@ -14,6 +14,7 @@ from common.ranks import DistContext
 from scripts.plot_curves import read_metrics
 from support.run import BASE_ENV, TORCHRUN, run_code, run_forked
 from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
+from support.shared_runs import streaming_at_2_ranks
 
 # SLICE's 20 steps an epoch: H = 5 divides them, so post-local SGD's average at an epoch's end is a DiLoCo sync too
 AS_LOCALSGD = ["--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0", "--momentum", "0", "--fragments", "1",
@@ -58,18 +59,18 @@ def test_a_resumed_run_ends_as_the_uninterrupted_one_as_a_user_runs_it(real_data
     assert accuracy_lines(log)[-2:] == accuracy_lines(straight)[-2:]
 
 
-def test_a_machines_ranks_train_one_copy_and_resume_exactly(real_data, tmp_path, procs):
+def test_a_machines_ranks_train_one_copy_and_resume_exactly(real_data, tmp_path, tmp_path_factory, procs):
     """--ranks-per-replica 2 at 4 ranks (2 machines x 2 ranks, here on one): each pair averages its gradients every
     step and carries half of each outer all-reduce, gathered in the pair. A pair sees what one rank of a 2-rank run
     sees, so the pairs train its model; streaming with a fragment in flight across the epoch's end, resumed after
     epoch 1 (the snapshot holds the gathered sum), within float rounding of it."""
     flags = [*STREAMING, "--wire-dtype", "fp32"]
-    ref = torchrun("diloco.py", 2, real_data, tmp_path / "two", procs, *flags)
+    two, ref = streaming_at_2_ranks(tmp_path_factory, real_data, procs)
     snap = [*flags, "--ranks-per-replica", "2", "--snapshot", tmp_path / "snap.pt"]
     torchrun("diloco.py", 4, real_data, tmp_path / "pairs", procs, *snap, "--epochs", "1")
     log = torchrun("diloco.py", 4, real_data, tmp_path / "pairs", procs, *snap)
     assert "Resuming from" in log and "1 of 2 epochs done" in log, log
-    diff = max_abs_diff(load_state(tmp_path / "two" / "model.pth"), load_state(tmp_path / "pairs" / "model.pth"))
+    diff = max_abs_diff(load_state(two / "model.pth"), load_state(tmp_path / "pairs" / "model.pth"))
     print(f"max |diff| of 2 pairs, resumed, against 2 ranks: {diff:.3g}")
     assert diff <= SAME_MODEL
     assert accuracy_lines(log)[-2:] == accuracy_lines(ref)[-2:]

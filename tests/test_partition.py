@@ -9,7 +9,7 @@ import pytest
 
 from measure.netns import NODES
 from support.long_runs import Watched, args_for
-from support.run import torchrun_script
+from support.shared_runs import torchrun_once
 from support.same_model import load_state, max_abs_diff
 from support.two_machines import NODE_ENV, tcp_nodes, torchrun_nodes
 
@@ -29,9 +29,9 @@ def uninterrupted(real_data, tmp_path_factory, procs_module):
     """Chapter 3 on 2 ranks over loopback for LONG's 3 epochs, in one go: what the cut runs must end with, bit for bit.
     (Not chapter 1: 2 ranks sum each gradient in another order, and over LONG's 600 steps with momentum that last-bit
     difference grows to 1.8e-4 on some CPUs, as a second thread does; over SLICE's 40 steps without it, 3.7e-9.)"""
-    out = tmp_path_factory.mktemp("uninterrupted-ddp")
-    code, _, err = torchrun_script("ddp_launch.py", 2, args_for(real_data, out, "--timeout", 60), procs_module)
-    assert code == 0, err
+    # the same run as test_snapshots_and_resume.py's, made once for both
+    out, _ = torchrun_once(tmp_path_factory, "ddp_launch LONG at 2 ranks", "ddp_launch.py", 2,
+                           lambda out: args_for(real_data, out, "--timeout", 60), procs_module)
     return load_state(out / "model.pth")
 
 

@@ -15,6 +15,7 @@ from scripts.plot_curves import read_metrics
 from support.long_runs import Watched, args_for, worker_with_rank
 from support.run import BASE_ENV, TORCHRUN, run_script
 from support.same_model import load_state, max_abs_diff
+from support.shared_runs import torchrun_once
 
 # torchrun --max-restarts as the docs show it: every restart meets in a fresh store (see ddp_launch.py).
 ELASTIC_ENV = dict(BASE_ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -63,12 +64,11 @@ def test_more_epochs_continue_a_finished_run(real_data, uninterrupted, tmp_path)
     assert max_abs_diff(uninterrupted, load_state(tmp_path / "b" / "model.pth")) == 0
 
 
-def test_torchrun_restarts_a_killed_worker_and_resumes(real_data, tmp_path, procs):
+def test_torchrun_restarts_a_killed_worker_and_resumes(real_data, tmp_path, tmp_path_factory, procs):
     """torchrun --max-restarts: SIGKILL rank 1 mid-epoch; the group restarts from the last snapshot."""
-    straight = tmp_path / "straight"
+    straight, _ = torchrun_once(tmp_path_factory, "ddp_launch LONG at 2 ranks", "ddp_launch.py", 2,
+                                lambda out: args_for(real_data, out, "--timeout", 60), procs)  # test_partition's too
     base = [*TORCHRUN, "--standalone", "--nproc-per-node", "2"]
-    code, _, err = Watched(procs, [*base, "ddp_launch.py", *args_for(real_data, straight)]).finish()
-    assert code == 0, err
 
     snap = tmp_path / "snap.pt"
     run = Watched(procs, [*base, "--max-restarts", "1", "ddp_launch.py",

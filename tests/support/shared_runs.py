@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from support.run import run_script
+from support.run import run_script, torchrun_script
 from support.same_model import load_state, slice_args
 from scripts.plot_curves import read_metrics
 
@@ -73,3 +73,23 @@ def chapter_1_reference(tmp_path_factory, real_data, *flags):
     """chapter_1's run as the distributed tests compare against it: (state_dict, stdout, metrics)."""
     out, stdout = chapter_1(tmp_path_factory, real_data, *flags)
     return load_state(out / "model.pth"), stdout, read_metrics(out)
+
+
+def torchrun_once(tmp_path_factory, key, script, world, args_of, procs):
+    """script under torchrun --standalone on `world` ranks with args_of(output folder), made once per suite run under
+    key: (the folder it saved to, its stdout)."""
+    def make(folder):
+        code, stdout, err = torchrun_script(script, world, args_of(folder / "run"), procs)
+        assert code == 0, err
+        (folder / "stdout.txt").write_text(stdout)
+
+    folder = made_once(tmp_path_factory, key, make)
+    return folder / "run", (folder / "stdout.txt").read_text()
+
+
+def streaming_at_2_ranks(tmp_path_factory, real_data, procs):
+    """Chapter 11 streaming on SLICE at 2 ranks of one copy each (3 fragments, --overlap 2, inner momentum, an fp32
+    wire): the model a machine's pair of ranks must train. (folder, stdout)."""
+    flags = ["--sync-every", "6", "--fragments", "3", "--overlap", "2", "--momentum", "0.9", "--wire-dtype", "fp32"]
+    return torchrun_once(tmp_path_factory, "diloco streaming fp32 at 2 ranks", "diloco.py", 2,
+                         lambda out: [*slice_args(real_data, out), "--timeout", "60", *flags], procs)
