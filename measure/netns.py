@@ -56,9 +56,10 @@ def burst_bytes(bits):
     """tbf's burst at a rate (bit/s): the bytes that may leave at once after the link was idle, as few as this kernel
     allows while the link still carries its rate. Measured here (a 1 MB all-reduce between the two nodes): one full
     frame (1,600 bytes) carries 10 Mbit/s (1.07x the wire time); 100 Mbit/s needs 0.32 ms of the link (4,000 bytes:
-    1.07x, where 1,600 gave 1.27x); 1 Gbit/s needs 1 ms (125,000 bytes: 0.99-1.48x; 40,000 gave 1.75x). So a 15 KB
-    all-reduce after an idle gap takes at least its wire time at 10 and 100 Mbit/s (tests/test_scaling.py) instead
-    of leaving at once in a 32 KiB burst; at 1 Gbit/s its wire time, 0.12 ms, is below gloo's own latency."""
+    1.07x, where 1,600 gave 1.27x); 1 Gbit/s needs 1 ms (125,000 bytes: 0.99-1.48x; 40,000 gave 1.75x). So at 10 and
+    100 Mbit/s a 15 KB all-reduce after an idle gap sends at most a third of its bytes at once, and the rest at the
+    rate (tests/test_scaling.py), instead of leaving whole in a 32 KiB burst; at 1 Gbit/s its wire time, 0.12 ms, is
+    below gloo's own latency."""
     return max(1600, bits // 8 // 1000 if bits >= 10**9 else bits // 8 * 32 // 100_000)
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from measure.netns import NODES, burst_bytes, tc_bits
+from measure.netns import IFNAME, NODES, burst_bytes, tc_bits
 from support import REPO
 from support.run import BASE_ENV
 from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_diff, slice_args
@@ -99,16 +99,31 @@ os._exit(0)
 """
 
 
+def link_burst(net):
+    """The bytes the shaper lets out at once after an idle gap, as tc reports it on each node (the larger)."""
+    units = {"b": 1, "Kb": 1024, "Mb": 1024 ** 2}
+    bursts = []
+    for ns in net.ns.values():
+        shown = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", IFNAME], capture_output=True,
+                               text=True, check=True).stdout
+        size, unit = re.search(r"burst ([\d.]+)(b|Kb|Mb)\b", shown).groups()
+        bursts.append(float(size) * units[unit])
+    return max(bursts)
+
+
 @pytest.mark.parametrize("rate", ["10mbit", "100mbit"])
 def test_a_small_all_reduce_after_an_idle_gap_takes_its_wire_time(two_machines, procs, rate):
-    """PowerSGD's 15,504 bytes a step after an idle gap, 5 times on each rank: the median takes at least the wire
-    time of its bytes, and none less than the wire time of what the one burst does not cover (measured here: at
-    least 1.06x the wire time at 10 Mbit/s and 1.16x at 100 Mbit/s)."""
+    """PowerSGD's 15,504 bytes a step after an idle gap, 5 times on each rank. The idle gap fills the shaper's
+    bucket, so one burst leaves at once: the link as tc shows it lets at most a third of the step through so, and no
+    all-reduce takes less than the wire time of what the burst does not cover (measured here: at least 1.06x the wire
+    time at 10 Mbit/s and, in the median, 1.16x at 100 Mbit/s; once 0.996x, which the burst allows)."""
     numel = 3876
     wire = numel * 4 * 8 / tc_bits(rate)
-    for seconds in on_both(shaped(two_machines, rate), procs, AFTER_IDLE, numel):
-        assert sorted(seconds)[2] >= wire, (seconds, wire)
-        assert min(seconds) >= wire * (1 - burst_bytes(tc_bits(rate)) / (numel * 4)), (seconds, wire)
+    net = shaped(two_machines, rate)
+    burst = link_burst(net)
+    assert burst <= numel * 4 / 3, f"tc's burst at {rate} is {burst:.0f} bytes: a step of {numel * 4} nearly free"
+    for seconds in on_both(net, procs, AFTER_IDLE, numel):
+        assert min(seconds) >= wire * (1 - burst / (numel * 4)), (seconds, wire, burst)
 
 
 def test_ddp_over_a_slow_link_trains_chapter_1s_model(two_machines, procs, real_data, reference, tmp_path):

@@ -111,11 +111,11 @@ exec /usr/bin/env "$@"
 """
 
 
-def _batch_script(tmp_path, script, task, old_env=False, args=(), **job):
+def _batch_script(procs, tmp_path, script, task, old_env=False, args=(), **job):
     """Start scripts/SCRIPT as the batch shell would, with an srun that runs `task` (a bash snippet) as its task;
-    job: more of the batch script's environment (SLURM_CPUS_PER_TASK, ...)."""
+    job: more of the batch script's environment (SLURM_CPUS_PER_TASK, ...). procs kills it and its steps at the
+    test's end, should it still run (a script that waits for good)."""
     import os
-    import subprocess
 
     from support import REPO
 
@@ -131,8 +131,7 @@ def _batch_script(tmp_path, script, task, old_env=False, args=(), **job):
     for name in ("OMP_NUM_THREADS", "SRUN_CPUS_PER_TASK", "NPROC_PER_NODE"):
         if name not in job:
             env.pop(name, None)
-    proc = subprocess.Popen(["bash", str(REPO / "scripts" / script), *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = procs.start(["bash", str(REPO / "scripts" / script), *args], cwd=tmp_path, env=env)
     return proc, tmp_path / "started"
 
 
@@ -149,14 +148,14 @@ def _wait_for(path, proc, seconds=20):
     ("job.sh", "exec sleep 30"),  # a task without a handler: SIGUSR1's default action ends it, status 138
     ("job_torchrun.sh", "sleep 2; exit 138"),  # torchrun ignores the signal; here the step ends 138 all the same
 ])
-def test_a_step_that_ends_with_138_ends_the_job_with_its_status(script, task, tmp_path):
+def test_a_step_that_ends_with_138_ends_the_job_with_its_status(script, task, tmp_path, procs):
     """The warning reaches the batch script, which passes it on; the step then ends with status 138 (128 + SIGUSR1).
     The script must end with that status, not wait again for a step that is gone (which gives 127)."""
     import signal
     import subprocess
     import time
 
-    proc, started = _batch_script(tmp_path, script, task)
+    proc, started = _batch_script(procs, tmp_path, script, task)
     _wait_for(started, proc)
     # The step has started, but the script may not have its pid yet (`step=$!` comes after the fork, and a warning
     # before it is remembered, not passed on): warn again every half second until the script has passed one on and
@@ -173,11 +172,11 @@ def test_a_step_that_ends_with_138_ends_the_job_with_its_status(script, task, tm
     assert "requeueing" not in out
 
 
-def test_torchrun_starts_with_the_warning_ignored_without_coreutils_8_31(tmp_path):
+def test_torchrun_starts_with_the_warning_ignored_without_coreutils_8_31(tmp_path, procs):
     """job_torchrun.sh's torchrun must ignore SIGUSR1 (its agent has no handler and would die), on any cluster:
     `env --ignore-signal` (coreutils 8.31) is not on RHEL 8's 8.30. The stand-in torchrun reports its ignored
     signals (SigIgn in /proc/self/status: bit 9 is SIGUSR1)."""
-    proc, _ = _batch_script(tmp_path, "job_torchrun.sh", "grep SigIgn /proc/self/status; exit 0", old_env=True)
+    proc, _ = _batch_script(procs, tmp_path, "job_torchrun.sh", "grep SigIgn /proc/self/status; exit 0", old_env=True)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     mask = int(out.split("SigIgn:")[1].split()[0], 16)
@@ -204,12 +203,12 @@ SHOW_CORES = 'echo "cores=$SRUN_CPUS_PER_TASK threads=$OMP_NUM_THREADS"'
     ("job_torchrun.sh", {"SLURM_GPUS_ON_NODE": "2"}, "4"),  # a worker per GPU (NPROC_PER_NODE unset): 2 of them
     ("job_ft.sh", {}, ""),  # one rank per group: ddp_ft.py takes the task's cores itself
 ], ids=["job.sh", "job_torchrun.sh-4-workers", "job_torchrun.sh-a-worker-per-gpu", "job_ft.sh"])
-def test_each_step_asks_for_the_jobs_cores_per_task(script, job, threads, tmp_path):
+def test_each_step_asks_for_the_jobs_cores_per_task(script, job, threads, tmp_path, procs):
     """Since Slurm 22.05 srun does not take --cpus-per-task from the job: a step started without SRUN_CPUS_PER_TASK
     gives each task one core (bound to it where the cluster binds tasks: task/affinity, task/cgroup), while the task
     runs OMP_NUM_THREADS of them. Every batch script passes the job's 8 on to its steps, and sets the threads each
     process starts with. (The local test cluster has 2 cores, too few to show the binding itself.)"""
-    proc, _ = _batch_script(tmp_path, script, SHOW_CORES, SLURM_CPUS_PER_TASK="8", **job)
+    proc, _ = _batch_script(procs, tmp_path, script, SHOW_CORES, SLURM_CPUS_PER_TASK="8", **job)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert f"cores=8 threads={threads}\n" in out, out

@@ -279,7 +279,8 @@ MUTATIONS = [
          "bucket_cap_mb=None)")),
     bug("spawn-threads-set-after-start", "same command, same model, where the user runs it: chapter 4's workers start "
         "with their CPU threads (torch.set_num_threads() later leaves gloo's threads, which run PowerSGD, all cores)",
-        ["tests/test_comm_hooks.py::test_the_same_command_trains_the_same_model_as_users_run_it[mp-powersgd:2]"],
+        ["tests/test_comm_hooks.py::test_the_same_command_trains_the_same_model_as_users_run_it[mp-powersgd:2]",
+         "tests/test_comm_hooks.py::test_chapter_4s_workers_start_with_their_share_of_the_cores_as_a_user_runs_it"],
         ("ddp_mp.py", '        os.environ.setdefault("OMP_NUM_THREADS", str(cpu_threads(world_size)))', "        pass")),
     bug("localsgd-still-all-reduces", "post-local SGD: after START steps no gradient crosses the wire",
         ["tests/test_comm_hooks.py::test_each_comm_hook_value_sends_what_it_names[localsgd:4]"],
