@@ -18,7 +18,7 @@ from common.ranks import cpu_threads
 from measure.harness import descendants
 from support import REPO
 from support.launchers import launch
-from support.long_runs import Watched, args_for
+from support.long_runs import Watched, args_for, environ_of
 from support.run import BASE_ENV, Runs, run_code, run_forked_cases, run_script
 from support.same_model import accuracy_lines, load_state, max_abs_diff, slice_args
 
@@ -95,6 +95,7 @@ def test_the_same_command_trains_the_same_model_as_users_run_it(kind, hook, real
     weights = {name: load_state(tmp_path / name / "model.pth") for name in ("a", "b", "resumed")}
     assert [max_abs_diff(weights["a"], weights[name]) for name in ("b", "resumed")] == [RESUMED, RESUMED]
 
+
 def test_chapter_4s_workers_start_with_their_share_of_the_cores_as_a_user_runs_it(real_data, tmp_path, procs):
     """What the test above rests on, on every CPU: whether one thread count or another moves PowerSGD's last bits
     depends on the CPU's matrix kernels (on some, two runs with gloo's threads at all the cores end equal anyway).
@@ -104,8 +105,7 @@ def test_chapter_4s_workers_start_with_their_share_of_the_cores_as_a_user_runs_i
     run.wait_for("Epoch 1")
     workers = [pid for pid in descendants(run.proc.pid)
                if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
-    environs = [dict(entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_bytes().decode(
-        errors="replace").split("\0") if "=" in entry) for pid in workers]
+    environs = [environ_of(pid) for pid in workers]
     procs.kill(run.proc)
     assert len(workers) == 2, workers
     assert [env.get("OMP_NUM_THREADS") for env in environs] == [str(cpu_threads(2))] * 2
@@ -176,8 +176,6 @@ from common.checkpoint import SNAPSHOT_FORMAT, atomic_save, read_snapshot
 from common.comm_hooks import register_comm_hook
 from common.cli import Config
 from common.model import NeuralNetwork
-from common.ranks import cpu_threads
-from measure.harness import descendants
 from common.ranks import DistContext, destroy_process_group
 
 class OnTheGpu(torch.Tensor):
@@ -243,8 +241,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.cli import Config
 from common.comm_hooks import ONE_BUCKET_MB, check_comm_hook, register_comm_hook
 from common.model import NeuralNetwork
-from common.ranks import cpu_threads
-from measure.harness import descendants
 from common.ranks import destroy_process_group
 
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
@@ -348,8 +344,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.cli import Config
 from common.comm_hooks import ONE_BUCKET_MB, register_comm_hook
 from common.model import NeuralNetwork
-from common.ranks import cpu_threads
-from measure.harness import descendants
 from common.ranks import destroy_process_group
 
 sent, started = [], dist.all_reduce

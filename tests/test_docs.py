@@ -11,6 +11,7 @@ The troubleshooting messages (docs/troubleshooting.md) are real too: each one is
 must start a line the script prints, with `...` standing for the parts that vary.
 """
 import ast
+import functools
 import os
 import re
 import shutil
@@ -222,6 +223,7 @@ def test_every_link_between_the_docs_leads_to_a_file_and_its_heading():
     assert not broken, broken
 
 
+@functools.cache
 def earlier_runs():
     """The commands a section's test runs first for what they wrote (commands_of): another section's."""
     return {command for doc, section in doc_runs() if section for command in commands_of(doc, section)
@@ -458,6 +460,12 @@ MAKE_IT_PRINT = {
 }
 
 
+def make_it_print_key(message):
+    """The one MAKE_IT_PRINT key that message holds."""
+    (key,) = [key for key in MAKE_IT_PRINT if key in message]
+    return key
+
+
 def test_every_troubleshooting_message_has_a_way_to_print_it():
     """Each message shown is matched by exactly one entry above, and every entry by a message."""
     shown = troubleshooting_messages()
@@ -490,10 +498,10 @@ def troubleshooting_scenes(request, tmp_path_factory):
     scenes, runs = {}, {}
     with ExitStack() as stack:
         for message in wanted:
-            (key,) = [key for key in MAKE_IT_PRINT if key in message]
-            if not isinstance(MAKE_IT_PRINT[key], str):  # a str: a test elsewhere asserts the words
+            how = MAKE_IT_PRINT[make_it_print_key(message)]
+            if not isinstance(how, str):  # a str: a test elsewhere asserts the words
                 tmp = tmp_path_factory.mktemp("scene")
-                scene = MAKE_IT_PRINT[key](tmp, stack)
+                scene = how(tmp, stack)
                 if len(scene) == 3:
                     runs[message] = (*scene, tmp)
                 else:
@@ -506,7 +514,7 @@ def troubleshooting_scenes(request, tmp_path_factory):
 @pytest.mark.parametrize("message", troubleshooting_messages())
 def test_troubleshooting_message_is_what_the_script_prints(message, troubleshooting_scenes):
     """The message, with `...` for the parts that vary, starts a line the script really writes to stderr."""
-    (key,) = [key for key in MAKE_IT_PRINT if key in message]
+    key = make_it_print_key(message)
     how = MAKE_IT_PRINT[key]
     if isinstance(how, str):  # only a GPU or two machines print it: that test asserts these words itself
         assert key in _test_body(how), f"{how} no longer checks {key!r}"

@@ -77,6 +77,12 @@ def children(pid):
     return found
 
 
+def environ_of(pid):
+    """The environment process pid started with, from /proc: {name: value}."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
 def worker_with_rank(launcher_pid, rank):
     """The training process below a launcher (torchrun or mp.spawn) whose environment or argv says this rank."""
     zygote.must_be_cold("signals a worker")
@@ -84,11 +90,10 @@ def worker_with_rank(launcher_pid, rank):
     while time.monotonic() < deadline:
         for pid in descendants(launcher_pid):
             try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                environ, cmdline = environ_of(pid), Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if f"RANK={rank}".encode() in environ and b"ddp_launch.py" in cmdline:
+            if environ.get("RANK") == str(rank) and b"ddp_launch.py" in cmdline:
                 return pid
         time.sleep(0.05)
     raise AssertionError(f"no rank {rank} worker below {launcher_pid}")
@@ -130,9 +135,8 @@ def _running(pid):
 def _is_rank(pid, rank, torchrun_pid):
     """Whether process pid is a worker of the torchrun torchrun_pid with RANK=rank."""
     try:
-        status = open(f"/proc/{pid}/status").read()
-        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        status, environ = open(f"/proc/{pid}/status").read(), environ_of(pid)
     except OSError:
         return False
     parent = int(re.search(r"PPid:\s+(\d+)", status)[1])
-    return parent == torchrun_pid and f"RANK={rank}".encode() in environ
+    return parent == torchrun_pid and environ.get("RANK") == str(rank)

@@ -58,15 +58,20 @@ def made_once(tmp_path_factory, key, make):
     return folder
 
 
+def run_once(tmp_path_factory, key, run):
+    """run(output folder) -> its stdout, made once per suite run under key: (the output folder, the stdout)."""
+    folder = made_once(tmp_path_factory, key, lambda folder: (folder / "stdout.txt").write_text(run(folder / "run")))
+    return folder / "run", (folder / "stdout.txt").read_text()
+
+
 def chapter_1(tmp_path_factory, real_data, *flags):
     """single_gpu.py on SLICE with flags, made once per suite run: (folder it saved to, its stdout)."""
-    def make(folder):
-        proc = run_script("single_gpu.py", *slice_args(real_data, folder / "run"), *flags)
+    def run(out):
+        proc = run_script("single_gpu.py", *slice_args(real_data, out), *flags)
         assert proc.returncode == 0, proc.stderr
-        (folder / "stdout.txt").write_text(proc.stdout)
+        return proc.stdout
 
-    folder = made_once(tmp_path_factory, "chapter-1 " + " ".join(map(str, flags)), make)
-    return folder / "run", (folder / "stdout.txt").read_text()
+    return run_once(tmp_path_factory, "chapter-1 " + " ".join(map(str, flags)), run)
 
 
 def chapter_1_reference(tmp_path_factory, real_data, *flags):
@@ -78,13 +83,12 @@ def chapter_1_reference(tmp_path_factory, real_data, *flags):
 def torchrun_once(tmp_path_factory, key, script, world, args_of, procs):
     """script under torchrun --standalone on `world` ranks with args_of(output folder), made once per suite run under
     key: (the folder it saved to, its stdout)."""
-    def make(folder):
-        code, stdout, err = torchrun_script(script, world, args_of(folder / "run"), procs)
+    def run(out):
+        code, stdout, err = torchrun_script(script, world, args_of(out), procs)
         assert code == 0, err
-        (folder / "stdout.txt").write_text(stdout)
+        return stdout
 
-    folder = made_once(tmp_path_factory, key, make)
-    return folder / "run", (folder / "stdout.txt").read_text()
+    return run_once(tmp_path_factory, key, run)
 
 
 def streaming_at_2_ranks(tmp_path_factory, real_data, procs):
