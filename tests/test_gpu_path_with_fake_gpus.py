@@ -36,17 +36,34 @@ def test_each_rank_finds_its_gpu(gpus, local_rank, ranks_here, expected, monkeyp
             rank_device(None, local_rank, ranks_here)
 
 
-# Fake GPUs, and an init_process_group that prints what it was asked for and ends the process there.
-RECORD_INIT = """\
-import json, os, torch, torch.distributed
+# Fake GPUs, and record(): each process writes what it saw to a file of its own and ends there (the lines of ranks
+# that share one pipe can run together).
+FAKE_GPUS = """\
+import json, os, torch
 torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: {gpus}
 torch.cuda.set_device = lambda device: None
-def init_process_group(backend=None, **kwargs):
-    print("init_process_group " + json.dumps(dict(backend=backend, rank=kwargs.get("rank"),
-                                                  device_id=str(kwargs.get("device_id")), env={{
-        k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL_", "TORCH_FR_"))}})), flush=True)
+def record(**seen):
+    with open(os.path.join({records!r}, str(os.getpid()) + ".json"), "w") as out:
+        json.dump(seen, out)
     os._exit(0)
+"""
+
+
+def _shim(tmp_path, code, gpus):
+    """A sitecustomize.py of FAKE_GPUS + code in tmp_path/shim; -> (shim, reader of what the processes recorded)."""
+    shim, records = tmp_path / "shim", tmp_path / "records"
+    shim.mkdir()
+    records.mkdir()
+    (shim / "sitecustomize.py").write_text(FAKE_GPUS.format(gpus=gpus, records=str(records)) + code)
+    return shim, lambda: [json.loads(record.read_text()) for record in records.iterdir()]
+
+
+# An init_process_group that records what it was asked for.
+RECORD_INIT = """\
+def init_process_group(backend=None, **kwargs):
+    record(backend=backend, rank=kwargs.get("rank"), device_id=str(kwargs.get("device_id")),
+           env={k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL_", "TORCH_FR_"))})
 torch.distributed.init_process_group = init_process_group
 """
 
@@ -76,14 +93,11 @@ CHAPTERS = [  # (command, environment, GPUs this process sees, [(rank, the devic
 
 def _init_calls(argv, env, gpus, tmp_path):
     """Run a chapter with `gpus` fake GPUs up to init_process_group: what each rank asked it for."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(RECORD_INIT.format(gpus=gpus))
+    shim, recorded = _shim(tmp_path, RECORD_INIT, gpus)
     proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(BASE_ENV, PYTHONPATH=str(shim), **env))
     assert proc.returncode == 0, proc.stderr
-    return [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-            if line.startswith("init_process_group ")], proc.stdout
+    return recorded(), proc.stdout
 
 
 @pytest.mark.parametrize("argv,env,gpus,expected", CHAPTERS, ids=[c[0][0] for c in CHAPTERS])
@@ -95,14 +109,11 @@ def test_nccl_is_bound_to_the_ranks_gpu_at_init(argv, env, gpus, expected, tmp_p
         [(rank, "nccl", device) for rank, device in expected], out
 
 
-# Fake GPUs again, and a process group that answers every call, so the chapter runs on to its DDP wrap: the data
-# and the model stay on the CPU (no .to() moves anything), and DDP itself prints what it was given and ends there.
+# A process group that answers every call, so the chapter runs on to its DDP wrap: the data and the model stay on
+# the CPU (no .to() moves anything), and DDP itself records what it was given.
 RECORD_WRAP = """\
-import json, os, torch, torch.distributed as dist, torch.nn.parallel
+import torch.distributed as dist, torch.nn.parallel
 import common.data
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: {gpus}
-torch.cuda.set_device = lambda device: None
 bound = []
 dist.init_process_group = lambda backend=None, **kwargs: bound.append(str(kwargs.get("device_id")))
 dist.get_backend = lambda group=None: "nccl"
@@ -116,8 +127,7 @@ torch.nn.Module.to = lambda self, *args, **kwargs: self
 class DDP:
     def __init__(self, module, device_ids=None, **kwargs):
         ids = [str(torch.device("cuda", d) if isinstance(d, int) else torch.device(d)) for d in device_ids or []]
-        print("wrap " + json.dumps(dict(bound=bound[0], device_ids=ids)), flush=True)
-        os._exit(0)
+        record(bound=bound[0], device_ids=ids)
 torch.nn.parallel.DistributedDataParallel = DDP
 """
 
@@ -135,17 +145,13 @@ WRAPS = [  # (command, environment, GPUs this process sees, the GPU each rank co
 def test_ddp_wraps_the_model_on_the_gpu_the_rank_computes_on(argv, env, gpus, expected, fake_data, tmp_path):
     """DDP(device_ids=...) names the rank's own GPU, the one NCCL was bound to: DDP moves each batch there, so a
     local rank in its place (cuda:3 where the rank sees one GPU) fails on the first forward."""
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text(RECORD_WRAP.format(gpus=gpus))
+    shim, recorded = _shim(tmp_path, RECORD_WRAP, gpus)
     proc = subprocess.run([sys.executable, *argv, "--data-dir", str(fake_data), "--output", str(tmp_path / "out")],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=dict(BASE_ENV, PYTHONPATH=f"{shim}:{REPO}", **env))
     assert proc.returncode == 0, proc.stderr
-    wraps = sorted(json.loads(line.split(" ", 1)[1])["device_ids"] for line in proc.stdout.splitlines()
-                   if line.startswith("wrap "))
-    bound = sorted(json.loads(line.split(" ", 1)[1])["bound"] for line in proc.stdout.splitlines()
-                   if line.startswith("wrap "))
+    made = recorded()
+    wraps, bound = sorted(wrap["device_ids"] for wrap in made), sorted(wrap["bound"] for wrap in made)
     assert wraps == [[device] for device in expected] and bound == expected, proc.stdout
 
 
