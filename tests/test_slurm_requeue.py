@@ -14,7 +14,7 @@ from scripts.plot_curves import read_metrics
 from measure.netns import IFNAME, TwoMachines, why_not
 from support.fault_tolerance import needs_torchft
 from support.same_model import SAME_MODEL, accuracy_lines, assert_same_curves, load_state, max_abs_diff, slice_args
-from support.slurm_jobs import CPU_JOB, CPU_TORCHRUN_JOB, submit
+from support.slurm_jobs import CPU_JOB, CPU_TORCHRUN_JOB, past_torchruns_exit_barrier, submit
 
 # 100 steps of 48 images an epoch (about 2 s here with 2 ranks). The tests act on a line of the log and read from
 # the log where the action landed (which epoch a warning stopped, which snapshot a resume found), so a slow machine
@@ -130,7 +130,10 @@ def test_two_node_job_trains_the_same_model(two_nodes, real_data, reference, tmp
     diff = max_abs_diff(reference[0], load_state(tmp_path / "run" / "model.pth"))
     print(f"{script} on two nodes vs chapter 1: max |difference| = {diff:g}")
     assert diff <= SAME_MODEL
-    assert accuracy_lines(log) == accuracy_lines(reference[1]) and log.count("Done!") == 1 and "Traceback" not in log
+    # torchrun's exit barrier may log a traceback on a node whose agent checked in last, after the job has done
+    # its work (docs/troubleshooting.md); it changes nothing the job did, and no other traceback may appear.
+    assert accuracy_lines(log) == accuracy_lines(reference[1]) and log.count("Done!") == 1
+    assert "Traceback" not in past_torchruns_exit_barrier(log), log
 
 
 @needs_torchft
