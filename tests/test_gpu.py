@@ -71,10 +71,10 @@ def gpus(n=None):
 ONE_GPU, ALL_GPUS = gpus(1), gpus()
 # CUDA and the CPU sum the matrix products in other orders; TF32 is off for float32 matmuls by default. Not yet
 # measured on a GPU: the bound is the CPU's own 1-vs-2-thread spread (3e-6 after 600 steps) with a wide margin. The
-# test prints the measured figure; a GPU session records it in RUN.md.
+# test prints the measured figure; a run on a GPU records it in RUN.md.
 CUDA_VS_CPU = 1e-4
 # CUDA runs against the CUDA chapter 1: the CPU's bound (support/same_model.py's SAME_MODEL, 1e-6) widened 10x, a
-# guess until a GPU session measures the spread (NCCL's all-reduce and cuBLAS pick their own summation orders).
+# guess until the spread is measured on a GPU (NCCL's all-reduce and cuBLAS pick their own summation orders).
 SAME_MODEL = 1e-5
 
 
