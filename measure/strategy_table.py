@@ -1,7 +1,7 @@
-"""What each strategy holds and sends, measured: runs the chapters and writes the README's table.
+"""What each strategy holds and sends, measured: runs the chapters and writes the table of docs/strategies.md.
 
     python measure/strategy_table.py                      # every row (about 2.5 minutes on 2 CPU cores), printed
-    python measure/strategy_table.py --write README.md    # and put into README.md between its table markers
+    python measure/strategy_table.py --write docs/strategies.md   # and put into that page between its table markers
     python measure/strategy_table.py --rows ddp,tp --ranks 2     # some rows
 
 Each row runs its chapter unchanged under torchrun (chapter 1 alone) on the CPU with gloo, once: 8 optimizer steps of
@@ -57,7 +57,7 @@ ROWS = {  # name: (chapter, extra flags, ranks it runs at, what it is, use it wh
            "the model is deep and the links are slow: only the activations at the cuts travel, but a stage waits "
            "while the pipeline fills and drains, less the more micro-batches"),
 }
-MARK = "<!-- strategy table: made by measure/strategy_table.py --write README.md -->"
+MARK = "<!-- strategy table: made by measure/strategy_table.py --write docs/strategies.md -->"
 
 
 # --- Inside each rank: record, run the chapter, write what was recorded ---

@@ -1,5 +1,5 @@
 """measure/strategy_table.py: its numbers come from the runs, agree with what the strategies must hold and send, and
-the README's table is the script's output."""
+docs/strategies.md's table is the script's output."""
 import re
 import subprocess
 import sys
@@ -47,10 +47,11 @@ def test_the_numbers_are_what_each_strategy_must_hold_and_send(table):
     assert pp[1:7] == ["2", *[kib(stage0)] * 3, "4 send (point-to-point)", kib(4 * BATCH // 4 * 512 * 4)], pp
 
 
-def test_the_readme_table_is_the_scripts_output(table):
-    """The README's rows for the same strategies are the ones the script prints (written by --write, not by hand)."""
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("<!-- strategy table: made by measure/strategy_table.py --write README.md -->")[1]
+def test_the_docs_table_is_the_scripts_output(table):
+    """docs/strategies.md's rows for the same strategies are the ones the script prints (written by --write, not by
+    hand)."""
+    page = (REPO / "docs" / "strategies.md").read_text()
+    block = page.split("<!-- strategy table: made by measure/strategy_table.py --write docs/strategies.md -->")[1]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines() if re.match(r"\| \w", line)]
     for (name, ranks), cells in table.items():
         twin = [row for row in rows if row[0] == name and row[1] == ranks]

@@ -559,10 +559,10 @@ MUTATIONS = [
     bug("pp-optimizer-state-not-flattened", "chapter 10: a snapshot of 2 stages resumes on 3, momentum and all",
         ["tests/test_pipeline.py::test_a_snapshot_of_2_stages_resumes_on_3"],
         ("common/checkpoint.py", "StateDictOptions(flatten_optimizer_state_dict=True)", "StateDictOptions()")),
-    bug("table-without-the-ring-factor", "README's strategy table: bytes sent as a ring algorithm sends them",
+    bug("table-without-the-ring-factor", "the strategy table: bytes sent as a ring algorithm sends them",
         ["tests/test_strategy_table.py::test_the_numbers_are_what_each_strategy_must_hold_and_send"],
         ("measure/harness.py", "return 2 * (n - 1) / n * size(c[\"sizes\"])", "return size(c[\"sizes\"])")),
-    bug("table-p2p-not-counted", "README's strategy table: the pipeline's sends are counted",
+    bug("table-p2p-not-counted", "the strategy table: the pipeline's sends are counted",
         ["tests/test_strategy_table.py::test_the_numbers_are_what_each_strategy_must_hold_and_send"],
         ("measure/strategy_table.py", "    dist.P2POp = CountedP2POp\n", "")),
     bug("fsdp-cpu-check-skips-one-rank", "fsdp.py on a torch whose FSDP2 cannot run on the CPU stops in one line, "
