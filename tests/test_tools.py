@@ -172,3 +172,20 @@ def test_benchmark_without_matplotlib_still_reports(tmp_path):
     assert "no chart" in proc.stderr and "pip install matplotlib" in proc.stderr and not (tmp_path / "b.png").exists()
     bad = bench("--from-json", tmp_path / "missing.json")
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "is not a benchmark --json file" in bad.stderr
+
+
+def test_the_ddp_picture_draws_the_buckets_a_real_ddp_makes(tmp_path):
+    """measure/draw_ddp.py, as README says to run it: it reads DDP's buckets back from a real DDP and draws them. They
+    are the model's layers in the order the backward reaches them: the last two Linears (1 MiB, DDP's first bucket
+    cap), then the first."""
+    linears = [m for m in NeuralNetwork().modules() if isinstance(m, torch.nn.Linear)]
+    nbytes = [4 * (m.weight.numel() + m.bias.numel()) for m in linears]
+    out = tmp_path / "ddp.png"
+    proc = subprocess.run([sys.executable, "measure/draw_ddp.py", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"bucket 1: Linear 512->10, Linear 512->512 ({nbytes[2] + nbytes[1]:,} bytes)",
+        f"bucket 2: Linear 784->512 ({nbytes[0]:,} bytes)",
+        f"wrote {out}"], proc.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
