@@ -4,7 +4,8 @@
     python measure/draw_ddp.py --out /tmp/ddp.png
 
 The buckets are not drawn from memory. The script wraps the chapters' model in a real DDP (one gloo process on this
-machine), runs two steps so DDP rebuilds its buckets in the order the gradients arrive, and reads the buckets back.
+machine), runs three steps so DDP rebuilds its buckets in the order the gradients arrive and records them, and
+reads the buckets back.
 It prints them, then draws them. The boxes grow with each layer's weights and each bucket's bytes, but their
 lengths are a sketch of the order of events, not a measurement: the measured step is docs/timeline_ddp.png
 (python measure/timeline.py ddp_launch.py). Needs matplotlib.
@@ -32,11 +33,11 @@ def real_buckets():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = DDP(NeuralNetwork())
-        for _ in range(3):  # DDP rebuilds its buckets after the first backward, in the order gradients arrived
+        for _ in range(3):  # the buckets are rebuilt after the first backward, in the order gradients arrived
             model(torch.zeros(2, 1, 28, 28)).sum().backward()
         data = model._get_ddp_logging_data()
         names = [name for name, _ in model.module.named_parameters()]
-        layers = {name: layer_name(model.module, name) for name in names}
+        layers = {name: linear_name(model.module.get_submodule(name.rsplit(".", 1)[0])) for name in names}
         sizes = [int(s) for s in data["rebuilt_bucket_sizes"].split(",")]
         indices = [[int(i) for i in group.split()] for group in data["rebuilt_per_bucket_param_indices"].split(",")]
     finally:
@@ -44,9 +45,8 @@ def real_buckets():
     return [(list(dict.fromkeys(layers[names[i]] for i in group)), size) for group, size in zip(indices, sizes)]
 
 
-def layer_name(model, parameter):
-    """'Linear 784->512' for the parameter 'linear_relu_stack.0.weight'."""
-    layer = model.get_submodule(parameter.rsplit(".", 1)[0])
+def linear_name(layer):
+    """'Linear 784->512' for the model's first Linear."""
     return f"Linear {layer.in_features}->{layer.out_features}"
 
 
@@ -59,13 +59,15 @@ def draw(buckets, out):
         import matplotlib.pyplot as plt
     except ImportError:
         raise FatalError("draw_ddp.py needs matplotlib: pip install matplotlib (requirements-dev.txt has it)") from None
+    from torch import nn
+
     from common.model import NeuralNetwork
 
     # The backward runs from the last layer to the first; a layer's box grows with its weights (a sketch, not a clock).
-    layers = [f"Linear {m.in_features}->{m.out_features}" for m in NeuralNetwork().modules()
-              if type(m).__name__ == "Linear"][::-1]
-    sizes = {name: float(name.split()[1].split("->")[0]) * float(name.split("->")[1]) for name in layers}
-    width = {name: 1.5 + 1.4 * sizes[name] / max(sizes.values()) for name in layers}
+    linears = [m for m in NeuralNetwork().modules() if isinstance(m, nn.Linear)][::-1]
+    most = max(m.weight.numel() for m in linears)
+    width = {linear_name(m): 1.5 + 1.4 * m.weight.numel() / most for m in linears}
+    layers = list(width)
     rank_y, net_y = {0: 2.6, 1: 0.4}, 1.5
     colors = dict(forward="#8fb8de", backward="#f4a261", comm="#2a9d8f", step="#b5838d", bcast="#bbbbbb")
     fig, ax = plt.subplots(figsize=(12, 4.6))

@@ -36,6 +36,6 @@ def past_torchruns_exit_barrier(log):
     agent has checked in to that barrier, the torchrun that hosts the rendezvous store may exit and take the store with
     it before the last agent to check in has asked for its answer (docs/troubleshooting.md): the workers have ended,
     and so does the job, with 0. Any other traceback stays in the log."""
-    heads = {line.split("] ", 1)[0] + "] " for line in log.splitlines()
-             if "Error waiting on exit barrier" in line and "elastic/agent/server/api.py:" in line.split("] ", 1)[0]}
+    heads = {head + "] " for head, _, text in (line.partition("] ") for line in log.splitlines())
+             if "Error waiting on exit barrier" in text and "elastic/agent/server/api.py:" in head}
     return "\n".join(line for line in log.splitlines() if not any(line.startswith(head) for head in heads))
