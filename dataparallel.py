@@ -23,7 +23,7 @@ def main():
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = choose_device(cfg.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+        torch.cuda.set_device(device)  # Pin this process's GPU before anything else touches one.
     ctx = DistContext(device=device)
     train(cfg, ctx)
 
@@ -53,14 +53,14 @@ def train(cfg, ctx):
                     f"{ctx.device}")
     if n_gpu or not torch.cuda.is_available():  # (it refuses a CPU model when GPUs exist, as with --device cpu)
         model = DataParallel(model, device_ids=list(range(first, first + n_gpu)) or None)
-    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
+    if cfg.compile:  # In place, after any wrap, so state_dict() keeps its keys (docs/training_options.md).
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
 
-    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file already holds
+    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file holds.
     metrics = MetricsLog(output, ctx, first_epoch)
     # Step 6, epochs: each draws its own shuffle from seed + epoch.
     for epoch in range(first_epoch, cfg.epochs):
@@ -68,10 +68,10 @@ def train(cfg, ctx):
         train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # Every --save-every epochs, if --snapshot is set.
     print0(ctx, "Done!")
 
-    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
+    # Step 7, save: the plain model's weights, once, without DDP's `module.` prefix, so every chapter loads them.
     save_weights(getattr(model, "module", model), output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
 

@@ -99,7 +99,7 @@ def import_torchft():
     return torchft
 
 
-@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+@record  # Under torchrun, this worker's error and traceback go into torchrun's failure summary.
 def main():
     cfg = parse_config(description=__doc__, **FT_FLAGS)
     restarts, agent_store = (os.environ.get(k) for k in ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"))

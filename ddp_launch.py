@@ -16,7 +16,6 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, default_con
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
 from common.cli import parse_config, run_main
-from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
@@ -24,11 +23,11 @@ from common.ranks import (DistContext, check_flags_and_set_threads, check_global
                           destroy_process_group, name_rank_in_errors, print0, rank_device)
 
 
-@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+@record  # Under torchrun, this worker's error and traceback go into torchrun's failure summary.
 def main():
-    cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK)
-    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
-    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    cfg = parse_config(description=__doc__)
+    check_torchrun_worker()  # One line, not a traceback, if torchrun did not start this process.
+    # Step 1, who am I: torchrun sets RANK (global: rank 0 prints and saves), LOCAL_RANK (it picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -37,26 +36,26 @@ def main():
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+        torch.cuda.set_device(device)  # Pin this process's GPU before anything else touches one.
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    # Step 3, init: env:// reads torchrun's MASTER_ADDR and MASTER_PORT. A peer missing for --timeout is an error.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+                            device_id=device if device.type == "cuda" else None)  # NCCL then connects here.
     try:
         train(cfg, ctx)  # steps 4 to 7, below
-    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
-        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
+    finally:  # Step 8, teardown: it runs after an error too. The other ranks stop (gloo at once, NCCL at --timeout).
+        destroy_process_group()  # dist.destroy_process_group(); after an error, common/ranks.py prints it first.
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    check_flags_and_set_threads(cfg, ctx)  # each rank's line (one if they disagree on flags); its share of the cores
+    check_flags_and_set_threads(cfg, ctx)  # Each rank's line and share of the cores; differing flags stop all.
     output = prepare_output(cfg.output)
-    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
-    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
+    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn; each rank tests its own part of the test set.
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
         locate_fashion_mnist(cfg.data_dir)
     dist.barrier()  # ... while the others wait here
@@ -71,31 +70,29 @@ def train(cfg, ctx):
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
     # Step 5, wrap: DDP copies rank 0's weights to every rank, then averages the gradients in each backward().
-    model = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,  # its GPU, not local_rank's
-                bucket_cap_mb=ONE_BUCKET_MB if cfg.comm_hook.startswith("powersgd") else None)  # see comm_hooks.py
-    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
+    model = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)  # The GPU this rank computes on.
+    if cfg.compile:  # In place, after any wrap, so state_dict() keeps its keys (docs/training_options.md).
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    hook_state = register_comm_hook(model, cfg, optimizer, train_loader)  # --comm-hook: what all-reduces send
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
 
-    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state)  # 0, or the epochs it holds
+    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file holds.
     metrics = MetricsLog(output, ctx, first_epoch)
     # Step 6, epochs: each draws its own shuffle from seed + epoch.
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
-        # DDP acts inside: backward() all-reduces the gradients; with --accum-steps, no_sync() holds them back
+        # Inside, DDP's backward() all-reduces the gradients. With --accum-steps, no_sync() holds them back.
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics, no_sync=model.no_sync)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx, hook_state)  # every --save-every epochs
+        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # Every --save-every epochs, if --snapshot is set.
         if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")
 
-    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
+    # Step 7, save: the plain model's weights, once, without DDP's `module.` prefix, so every chapter loads them.
     if ctx.is_main:
         save_weights(model.module, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")

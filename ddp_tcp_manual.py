@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, default_con
 
 from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
 from common.cli import NON_NEGATIVE, POSITIVE, REQUIRED, FatalError, UsageError, flag, parse_config, run_main
-from common.comm_hooks import COMM_HOOK, ONE_BUCKET_MB, register_comm_hook
 from common.data import load_fashion_mnist, locate_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
@@ -33,7 +32,7 @@ from common.ranks import (DistContext, check_flags_and_set_threads, check_global
 
 
 def main():
-    cfg = parse_config(description=__doc__, comm_hook=COMM_HOOK,
+    cfg = parse_config(description=__doc__,
                        init_method=flag(REQUIRED, rendezvous_url, "tcp://HOST:PORT (rank 0's address) or file:///path"),
                        rank=flag(REQUIRED, NON_NEGATIVE, "this process's global rank, 0 .. world size - 1"),
                        world_size=flag(REQUIRED, POSITIVE, "total number of processes over all machines"),
@@ -48,18 +47,18 @@ def main():
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+        torch.cuda.set_device(device)  # Pin this process's GPU before anything else touches one.
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
     # Step 3, init: rank 0 opens a store on tcp://'s port (or the ranks meet in the file://); each publishes its
     # address there and waits up to --timeout for the rest (no rank 0: one line).
     check_file_rendezvous(cfg.init_method, cfg.timeout)  # a file:// left over by a crashed run: one line
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=cfg.init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+                            device_id=device if device.type == "cuda" else None)  # NCCL then connects here.
     try:
         train(cfg, ctx)  # steps 4 to 7, below
-    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
-        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
+    finally:  # Step 8, teardown: it runs after an error too. The other ranks stop (gloo at once, NCCL at --timeout).
+        destroy_process_group()  # dist.destroy_process_group(); after an error, common/ranks.py prints it first.
         if cfg.init_method.startswith("file://"):  # the next run needs a fresh file (torch 2.14 leaves it after DDP)
             Path(cfg.init_method.removeprefix("file://")).unlink(missing_ok=True)
 
@@ -67,11 +66,11 @@ def main():
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    check_flags_and_set_threads(cfg, ctx)  # each rank's line (one if they disagree on flags); its share of the cores
+    check_flags_and_set_threads(cfg, ctx)  # Each rank's line and share of the cores; differing flags stop all.
     output = prepare_output(cfg.output)
-    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
-    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
+    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn; each rank tests its own part of the test set.
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
         locate_fashion_mnist(cfg.data_dir)
     dist.barrier()  # ... while the others wait here
@@ -86,31 +85,29 @@ def train(cfg, ctx):
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
     # Step 5, wrap: DDP copies rank 0's weights to every rank, then averages the gradients in each backward().
-    model = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,  # its GPU, not local_rank's
-                bucket_cap_mb=ONE_BUCKET_MB if cfg.comm_hook.startswith("powersgd") else None)  # see comm_hooks.py
-    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
+    model = DDP(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)  # The GPU this rank computes on.
+    if cfg.compile:  # In place, after any wrap, so state_dict() keeps its keys (docs/training_options.md).
         model.compile()
     print0(ctx, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    hook_state = register_comm_hook(model, cfg, optimizer, train_loader)  # --comm-hook: what all-reduces send
     # --precision fp16: scale the loss up so float16's small gradients do not round to zero.
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
 
-    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state)  # 0, or the epochs it holds
+    first_epoch = load_snapshot(model, optimizer, scaler, cfg, ctx)  # 0, or the epochs a --snapshot file holds.
     metrics = MetricsLog(output, ctx, first_epoch)
     # Step 6, epochs: each draws its own shuffle from seed + epoch.
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
-        # DDP acts inside: backward() all-reduces the gradients; with --accum-steps, no_sync() holds them back
+        # Inside, DDP's backward() all-reduces the gradients. With --accum-steps, no_sync() holds them back.
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics, no_sync=model.no_sync)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx, hook_state)  # every --save-every epochs
+        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # Every --save-every epochs, if --snapshot is set.
         if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")
 
-    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
+    # Step 7, save: the plain model's weights, once, without DDP's `module.` prefix, so every chapter loads them.
     if ctx.is_main:
         save_weights(model.module, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")

@@ -392,7 +392,7 @@ def main():
                     f"collective times out; compare them with `torchfrtrace {records} --prefix nccl_trace_rank_`")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+                            device_id=device if device.type == "cuda" else None)  # NCCL then connects here.
     watch = HangWatch(cfg.timeout / 2, stacks)  # a rank that waits half of --timeout writes its stacks
     try:
         if rank == 0:  # no records or stacks of an earlier run to compare with
@@ -418,7 +418,7 @@ def main():
         raise
     finally:
         watch.stop()
-        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
+        destroy_process_group()  # dist.destroy_process_group(); after an error, common/ranks.py prints it first.
 
 
 if __name__ == "__main__":

@@ -63,11 +63,11 @@ DILOCO_FLAGS = dict(
                                         "machine's ranks: its --nproc-per-node); the outer sync runs across copies"))
 
 
-@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+@record  # Under torchrun, this worker's error and traceback go into torchrun's failure summary.
 def main():
     cfg = parse_config(description=__doc__, **DILOCO_FLAGS)
-    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
-    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    check_torchrun_worker()  # One line, not a traceback, if torchrun did not start this process.
+    # Step 1, who am I: torchrun sets RANK (global: rank 0 prints and saves), LOCAL_RANK (it picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -76,24 +76,24 @@ def main():
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+        torch.cuda.set_device(device)  # Pin this process's GPU before anything else touches one.
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    # Step 3, init: env:// reads torchrun's MASTER_ADDR and MASTER_PORT. A peer missing for --timeout is an error.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+                            device_id=device if device.type == "cuda" else None)  # NCCL then connects here.
     try:
         train(cfg, ctx)  # steps 4 to 7, below
-    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
-        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
+    finally:  # Step 8, teardown: it runs after an error too. The other ranks stop (gloo at once, NCCL at --timeout).
+        destroy_process_group()  # dist.destroy_process_group(); after an error, common/ranks.py prints it first.
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    check_flags_and_set_threads(cfg, ctx)  # each rank's line (one if they disagree on flags); its share of the cores
+    check_flags_and_set_threads(cfg, ctx)  # Each rank's line and share of the cores; differing flags stop all.
     output = prepare_output(cfg.output)
-    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
     # Step 3, init (continued): two groups of ours, each waiting --timeout as the default one does (a new group waits
     # torch's default: 10 minutes on NCCL, 30 on gloo). A copy's N ranks (one machine's) average gradients in
@@ -104,7 +104,7 @@ def train(cfg, ctx):
     replica, _ = dist.new_subgroups_by_enumeration([list(ranks[r:r + n]) for r in ranks[::n]], timeout=wait)
     across, _ = dist.new_subgroups_by_enumeration([list(ranks[i::n]) for i in range(n)], timeout=wait)
 
-    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
+    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn; each rank tests its own part of the test set.
     # Copy c's N ranks take what rank c of `copies` ranks would (so a copy trains alike at any N), dealt among them.
     dealt = ctx.rank // n + ctx.rank % n * copies  # ctx.rank at one rank per copy
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...

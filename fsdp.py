@@ -31,12 +31,12 @@ from common.ranks import (DistContext, check_flags_and_set_threads, check_global
                           destroy_process_group, name_rank_in_errors, print0, print_parameter_bytes, rank_device)
 
 
-@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+@record  # Under torchrun, this worker's error and traceback go into torchrun's failure summary.
 def main():
     cfg = parse_config(description=__doc__)
     check_fsdp2(cfg, "fsdp.py", int(os.environ.get("WORLD_SIZE", 1)))  # no fp16; a test image per rank; FSDP2 here
-    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
-    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    check_torchrun_worker()  # One line, not a traceback, if torchrun did not start this process.
+    # Step 1, who am I: torchrun sets RANK (global: rank 0 prints and saves), LOCAL_RANK (it picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -45,26 +45,26 @@ def main():
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+        torch.cuda.set_device(device)  # Pin this process's GPU before anything else touches one.
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    # Step 3, init: env:// reads torchrun's MASTER_ADDR and MASTER_PORT. A peer missing for --timeout is an error.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+                            device_id=device if device.type == "cuda" else None)  # NCCL then connects here.
     try:
         train(cfg, ctx)  # steps 4 to 7, below
-    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
-        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
+    finally:  # Step 8, teardown: it runs after an error too. The other ranks stop (gloo at once, NCCL at --timeout).
+        destroy_process_group()  # dist.destroy_process_group(); after an error, common/ranks.py prints it first.
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    check_flags_and_set_threads(cfg, ctx)  # each rank's line (one if they disagree on flags); its share of the cores
+    check_flags_and_set_threads(cfg, ctx)  # Each rank's line and share of the cores; differing flags stop all.
     output = prepare_output(cfg.output)
-    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
-    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn (together, chapter 1's batches); disjoint test shards
+    # Step 4, data: chapter 1's shuffle dealt to the ranks in turn; each rank tests its own part of the test set.
     if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
         locate_fashion_mnist(cfg.data_dir)
     dist.barrier()  # ... while the others wait here
@@ -89,7 +89,7 @@ def train(cfg, ctx):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16))
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16, output_dtype=torch.float32 if bf16 else None))
-    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
+    if cfg.compile:  # In place, after any wrap, so state_dict() keeps its keys (docs/training_options.md).
         model.compile()
     print0(ctx, model)
     print_parameter_bytes(model, ctx)  # the whole model's, and each rank's slices
@@ -106,12 +106,12 @@ def train(cfg, ctx):
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics,
                         gradient_sync=model.set_requires_gradient_sync)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # Every --save-every epochs, if --snapshot is set.
         if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")
 
-    # Step 7, save: the plain model's weights, once (no `module.` prefix: they load in every chapter).
+    # Step 7, save: the plain model's weights, once, without DDP's `module.` prefix, so every chapter loads them.
     # No rank has them whole: every rank sends its slices, and rank 0 gets the full state_dict on the CPU.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ctx.is_main:

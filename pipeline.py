@@ -36,14 +36,14 @@ CUTS = {1: (0, 6), 2: (0, 3, 6), 3: (0, 3, 5, 6)}
 PADDING = -100  # the label of a padding row: cross_entropy's ignore_index, so it adds nothing to a loss or gradient
 
 
-@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+@record  # Under torchrun, this worker's error and traceback go into torchrun's failure summary.
 def main():
     cfg = parse_config(description=__doc__, schedule=flag("gpipe", tuple(SCHEDULES), "pipeline schedule: all forwards then "
                                                           "all backwards, or one of each in turn"),
                        microbatches=flag(4, POSITIVE, "micro-batches each global batch is cut into"))
     check_pipeline_flags(cfg)  # below: 1-3 stages; micro-batches that split the batch; no fp16
-    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
-    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    check_torchrun_worker()  # One line, not a traceback, if torchrun did not start this process.
+    # Step 1, who am I: torchrun sets RANK (global: rank 0 prints and saves), LOCAL_RANK (it picks the GPU), WORLD_SIZE.
     # Here the rank is also the stage: rank 0 holds the first layers and reads the images, the last rank the loss.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -52,24 +52,24 @@ def main():
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+        torch.cuda.set_device(device)  # Pin this process's GPU before anything else touches one.
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    # Step 3, init: env:// reads torchrun's MASTER_ADDR and MASTER_PORT. A peer missing for --timeout is an error.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+                            device_id=device if device.type == "cuda" else None)  # NCCL then connects here.
     try:
         train(cfg, ctx)  # steps 4 to 7, below
     finally:  # Step 8, teardown: after an error too; a stage waiting on this one stops at once (gloo) or at --timeout
-        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
+        destroy_process_group()  # dist.destroy_process_group(); after an error, common/ranks.py prints it first.
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    check_flags_and_set_threads(cfg, ctx)  # each rank's line (one if they disagree on flags); its share of the cores
+    check_flags_and_set_threads(cfg, ctx)  # Each rank's line and share of the cores; differing flags stop all.
     output = prepare_output(cfg.output)
-    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
     # Step 4, data: every stage walks chapter 1's shuffle, the whole global batch (1 replica): the first stage feeds
     # its images into the pipeline, the last its labels into the loss; the stages between use neither. The test set
@@ -118,7 +118,7 @@ def train(cfg, ctx):
         train_stage_epoch(schedule, stage, loss_fn, train_loader, optimizer, epoch, cfg, ctx, metrics,
                           show_timetable=epoch == first_epoch)
         evaluate_stages(testing, stage, test_loader, cfg.batch_size, epoch, ctx, metrics)
-        save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # Every --save-every epochs, if --snapshot is set.
         if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")

@@ -32,13 +32,13 @@ from common.ranks import (DistContext, check_flags_and_set_threads, check_global
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: they take DTensors too
 
 
-@record  # under torchrun: this worker's error and traceback go into torchrun's failure summary
+@record  # Under torchrun, this worker's error and traceback go into torchrun's failure summary.
 def main():
     cfg = parse_config(description=__doc__, dp=flag(1, POSITIVE, "data-parallel groups; each group's ranks split every "
                                                               "layer"))
     check_tensor_parallel_flags(cfg)  # below: dp x tp ranks, tp divides 512; no fp16; FSDP2 runs here for --dp
-    check_torchrun_worker()  # started by torchrun; --max-restarts with a fresh store each time
-    # Step 1, who am I: torchrun sets RANK (global; rank 0 prints and saves), LOCAL_RANK (picks the GPU), WORLD_SIZE.
+    check_torchrun_worker()  # One line, not a traceback, if torchrun did not start this process.
+    # Step 1, who am I: torchrun sets RANK (global: rank 0 prints and saves), LOCAL_RANK (it picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -47,24 +47,24 @@ def main():
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # this process's GPU, before anything else touches one
+        torch.cuda.set_device(device)  # Pin this process's GPU before anything else touches one.
     ctx = DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
-    # Step 3, init: env:// reads MASTER_ADDR/MASTER_PORT (torchrun's); a peer missing for --timeout is an error.
+    # Step 3, init: env:// reads torchrun's MASTER_ADDR and MASTER_PORT. A peer missing for --timeout is an error.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=cfg.timeout),
-                            device_id=device if device.type == "cuda" else None)  # NCCL connects here, not later
+                            device_id=device if device.type == "cuda" else None)  # NCCL then connects here.
     try:
         train(cfg, ctx)  # steps 4 to 7, below
-    finally:  # Step 8, teardown: after an error too; the others then stop at once (gloo) or at --timeout (NCCL)
-        destroy_process_group()  # dist.destroy_process_group(); after an error, its line first (common/ranks.py)
+    finally:  # Step 8, teardown: it runs after an error too. The other ranks stop (gloo at once, NCCL at --timeout).
+        destroy_process_group()  # dist.destroy_process_group(); after an error, common/ranks.py prints it first.
 
 
 def train(cfg, ctx):
     print0(ctx, cfg.describe())
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
-    check_flags_and_set_threads(cfg, ctx)  # each rank's line (one if they disagree on flags); its share of the cores
+    check_flags_and_set_threads(cfg, ctx)  # Each rank's line and share of the cores; differing flags stop all.
     output = prepare_output(cfg.output)
-    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 before the time limit: stop after the epoch, at a snapshot
+    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
     # The mesh: the ranks as a grid of dp rows by tp columns. Rank r sits in row r // tp: the tp ranks of a row are
     # neighbours (one machine, its fast links), because they talk in every layer; the rows talk once per step. Its
@@ -120,7 +120,7 @@ def train(cfg, ctx):
                 fully_shard(layer, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(**bf16))
         root = MixedPrecisionPolicy(**bf16, output_dtype=torch.float32 if bf16 else None)  # float32 out of it alone
         fully_shard(model, mesh=mesh["dp"], mp_policy=root)
-    if cfg.compile:  # in place (state_dict() keeps its keys), after any wrap: docs/benchmark.md says what it compiles
+    if cfg.compile:  # In place, after any wrap, so state_dict() keeps its keys (docs/training_options.md).
         model.compile()
     print0(ctx, model)
     for name, weight in model.named_parameters():  # what the plan made of each weight: its placement on each mesh dim
@@ -141,7 +141,7 @@ def train(cfg, ctx):
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics,
                         gradient_sync=model.set_requires_gradient_sync if cfg.dp > 1 else None)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # with --snapshot: every --save-every epochs
+        save_sharded_snapshot(model, optimizer, epoch + 1, cfg, ctx)  # Every --save-every epochs, if --snapshot is set.
         if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
             return
     print0(ctx, "Done!")

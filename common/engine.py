@@ -31,28 +31,28 @@ def synchronize(device):
 def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, no_sync=None, gradient_sync=None):
     """One pass, --accum-steps batches a step; no_sync/gradient_sync: how the strategy keeps gradients local."""
     model.train()
-    scaler = scaler or torch.amp.GradScaler(ctx.device.type, enabled=False)  # fp32, bf16: a plain optimizer.step()
-    size, steps = len(loader.dataset), math.ceil(len(loader) / cfg.accum_steps)  # size: every rank's images
-    loss_sum, seen = torch.zeros((), device=ctx.device), 0  # summed on the device: no host sync per step
+    scaler = scaler or torch.amp.GradScaler(ctx.device.type, enabled=False)  # Off for fp32 and bf16: a plain optimizer.step().
+    size, steps = len(loader.dataset), math.ceil(len(loader) / cfg.accum_steps)  # size counts every rank's images.
+    loss_sum, seen = torch.zeros((), device=ctx.device), 0  # Summed on the device, so no step waits for the host.
     synchronize(ctx.device)
     start = time.perf_counter()
     batches, step = iter(loader), 0
-    while micro := list(itertools.islice(batches, cfg.accum_steps)):  # to its end: torch's Join waits for that
-        images = sum(len(y) for _, y in micro)  # this rank's share of the global batch
+    while micro := list(itertools.islice(batches, cfg.accum_steps)):  # Every rank runs its loader to the end.
+        images = sum(len(y) for _, y in micro)  # This rank's share of the global batch.
         step_loss = 0
         for i, (X, y) in enumerate(micro):
-            X, y = X.to(ctx.device), y.to(ctx.device)  # the quickstart's line; a no-op here: the data lives there
-            last = i == len(micro) - 1  # all micro-batches but the last keep their gradients on this rank
+            X, y = X.to(ctx.device), y.to(ctx.device)  # The quickstart's line; the data already lives there.
+            last = i == len(micro) - 1  # Only the last micro-batch sends its gradients.
             if gradient_sync:
                 gradient_sync(last)
             with no_sync() if no_sync and not last else contextlib.nullcontext():
                 with autocast(cfg, ctx.device):
-                    loss = loss_fn(model(X), y) * (len(y) / images)  # each weighted by its share of the step's images
+                    loss = loss_fn(model(X), y) * (len(y) / images)  # Each is weighted by its share of the step's images.
                 # DDP: this backward() averages the gradients over the ranks, bucket by bucket while it runs (FSDP2
                 # reduce-scatters them); under no_sync() they only add up here.
-                scaler.scale(loss).backward()  # fp16: the loss scaled up first (a disabled scaler passes it on)
+                scaler.scale(loss).backward()  # With fp16 the loss is scaled up first; otherwise it passes.
             step_loss = step_loss + loss.detach()
-        scaler.step(optimizer)  # optimizer.step(); fp16: skipped where the gradients overflowed, and the scale lowered
+        scaler.step(optimizer)  # optimizer.step(). With fp16, a step whose gradients overflowed is skipped.
         scaler.update()
         optimizer.zero_grad()
         loss_sum.add_(step_loss, alpha=images)
@@ -61,8 +61,10 @@ def train_one_epoch(model, loader, optimizer, scaler, epoch, cfg, ctx, metrics, 
             print_loss_line(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics)
         step += 1
     print_epoch_line(loss_sum, seen, start, epoch, steps, ctx, metrics)
-    if scaler.is_enabled():  # one read of the scale per epoch (it lives on the device): halved per skipped step,
-        print0(ctx, f"fp16 loss scale: {scaler.get_scale():g}")  # doubled after 2000 steps in a row without inf/NaN
+    # The scale lives on the device, so it is read once per epoch. It halves at each skipped step and doubles after
+    # 2000 steps in a row without inf or NaN.
+    if scaler.is_enabled():
+        print0(ctx, f"fp16 loss scale: {scaler.get_scale():g}")
 
 
 def print_loss_line(step_loss, images, step, epoch, steps, size, cfg, ctx, metrics):

@@ -91,13 +91,14 @@ ROWS = {
     "bucket25": Row("ddp_launch.py", [], ("1gbit", "100mbit"), "DDP, one bucket (bucket_cap_mb=25)", "DDP\n1 bucket",
                     bucket_cap_mb=25),
     "fsdp": Row("fsdp.py", [], tuple(RATES), "FSDP2 (chapter 7)", "FSDP2"),
-    # The remedies for a slow link: torch's communication hooks (--comm-hook), alone and with accumulation.
-    "bf16": Row("ddp_launch.py", ["--comm-hook", "bf16"], tuple(RATES), "DDP, --comm-hook bf16", "DDP\nbf16"),
-    "powersgd": Row("ddp_launch.py", ["--comm-hook", "powersgd"], tuple(RATES), "DDP, --comm-hook powersgd (rank 1)",
+    # The remedies for a slow link: torch's communication hooks (chapter 11b's --comm-hook), alone and with
+    # accumulation.
+    "bf16": Row("ddp_comm_hooks.py", ["--comm-hook", "bf16"], tuple(RATES), "DDP, --comm-hook bf16", "DDP\nbf16"),
+    "powersgd": Row("ddp_comm_hooks.py", ["--comm-hook", "powersgd"], tuple(RATES), "DDP, --comm-hook powersgd (rank 1)",
                     "DDP\nPowerSGD 1"),
-    "powersgd4": Row("ddp_launch.py", ["--comm-hook", "powersgd:4"], tuple(RATES), "DDP, --comm-hook powersgd:4",
+    "powersgd4": Row("ddp_comm_hooks.py", ["--comm-hook", "powersgd:4"], tuple(RATES), "DDP, --comm-hook powersgd:4",
                      "DDP\nPowerSGD 4"),
-    "accum_powersgd": Row("ddp_launch.py", ["--accum-steps", "4", "--comm-hook", "powersgd"], ("10mbit",),
+    "accum_powersgd": Row("ddp_comm_hooks.py", ["--accum-steps", "4", "--comm-hook", "powersgd"], ("10mbit",),
                           "DDP, --accum-steps 4, 4x the batch, --comm-hook powersgd", "DDP accum 4\nPowerSGD 1",
                           batch=4 * BATCH),
 }
@@ -153,7 +154,8 @@ FT_ROWS = [name for name in DILOCO_ROWS if name.startswith("ft_")]
 WHOLE_NAMES.update({name: ("torchft's DiLoCo (chapter 12), " if name in FT_ROWS else "DiLoCo (chapter 11), ")
                     + " ".join(WHOLE_ROWS[name][0]) for name in DILOCO_ROWS})
 WHOLE_SCRIPTS = {"by_hand": "ddp_by_hand.py", **{name: "ddp_ft.py" if name in FT_ROWS else "diloco.py"
-                                                 for name in DILOCO_ROWS}}
+                                                 for name in DILOCO_ROWS},
+                 **{name: "ddp_comm_hooks.py" for name, (flags, _) in WHOLE_ROWS.items() if "--comm-hook" in flags}}
 
 
 # --- Inside each rank: run the chapter, time its steps and collectives, write what was measured ---

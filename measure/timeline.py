@@ -2,7 +2,7 @@
 
     python measure/timeline.py ddp_launch.py                          # DDP, 2 ranks on this machine (loopback)
     python measure/timeline.py ddp_launch.py --link 100mbit           # one rank on each of two machines (as root)
-    python measure/timeline.py ddp_launch.py --comm-hook powersgd    # the chapter's own flags, as it takes them
+    python measure/timeline.py ddp_comm_hooks.py --comm-hook powersgd  # the chapter's own flags, as it takes them
     python measure/timeline.py pipeline.py --nproc 3 -- --schedule gpipe
 
 It runs the chapter unchanged under torchrun for a few optimizer steps (the chapter gains no profiling line: this
@@ -35,7 +35,7 @@ from common.cli import FIELDS, Config, UsageError, parse_config, run_main  # noq
 from measure import harness  # noqa: E402
 from measure.harness import DTYPE_BYTES, PROFILER_DTYPES  # noqa: E402
 
-TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "fsdp.py", "tensor_parallel.py", "pipeline.py", "diloco.py")
+TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "ddp_comm_hooks.py", "fsdp.py", "tensor_parallel.py", "pipeline.py", "diloco.py")
 BASELINE = "single_gpu.py"
 COMPUTE = ("forward", "backward", "optimizer")
 MARK = "timeline:"  # this script's own profiler ranges: timeline:start, timeline:step, timeline:forward

@@ -39,7 +39,7 @@ trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
 # Each task's cores: since Slurm 22.05 srun does not take --cpus-per-task from the job, and without
 # SRUN_CPUS_PER_TASK each task would get one core (bound to it, where the cluster binds tasks) while it runs 8 threads.
 # Its CPU threads from its start: torch.set_num_threads() later would reach only the main thread, and gloo's
-# threads, which run --comm-hook powersgd's callbacks, would keep all the cores (docs/snapshots.md).
+# threads, which run chapter 11b's --comm-hook powersgd callbacks, would keep all the cores (docs/snapshots.md).
 if [ -n "$SLURM_CPUS_PER_TASK" ]; then
     export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"

@@ -1,4 +1,5 @@
-"""--comm-hook: torch's DDP communication hooks in the DDP chapters, their state in --snapshot, and the refusals.
+"""--comm-hook: torch's DDP communication hooks in chapter 11b (ddp_comm_hooks.py), their state in --snapshot, and
+the refusals.
 
 What each hook sends, step by step, and the gradient it leaves: test_each_comm_hook_value_sends_what_it_names;
 the bytes per step on the shaped link: tests/test_scaling.py.
@@ -17,7 +18,8 @@ from common.model import NeuralNetwork
 from common.ranks import cpu_threads
 from measure.harness import descendants
 from support import REPO
-from support.launchers import launch
+from support.launchers import TORCHRUN_ENV, launch
+from support.ports import free_port
 from support.long_runs import Watched, args_for, environ_of
 from support.run import BASE_ENV, Runs, run_code, run_forked_cases, run_script
 from support.same_model import accuracy_lines, load_state, max_abs_diff, slice_args
@@ -34,7 +36,7 @@ def train(kind, world, real_data, out, procs, *flags):
 @pytest.fixture(scope="module")
 def first_epochs(real_data, tmp_path_factory, procs_module):
     """Epoch 1 of a 2-rank run with --snapshot, by (kind, flags), each made when a test first asks for it (two tests
-    resume chapter 4's PowerSGD one): the folder holding its run/ and snap.pt. A test copies it and resumes the copy."""
+    resume chapter 11b's PowerSGD one): the folder holding its run/ and snap.pt. A test copies it and resumes the copy."""
     def make(case):
         kind, flags = case
         folder = tmp_path_factory.mktemp("epoch-1")
@@ -52,18 +54,16 @@ def resume_from(first_epochs, kind, flags, tmp_path, run):
     shutil.copy2(folder / "snap.pt", tmp_path / "snap.pt")
 
 
-@pytest.mark.parametrize("kind,hook,flags", [("mp", "powersgd", ()), ("torchrun", "powersgd:2:5", ()),
-                                             ("torchrun", "localsgd:4:3", ("--momentum", "0.9"))],
-                         ids=["mp-powersgd", "torchrun-powersgd:2:5", "torchrun-localsgd:4:3-momentum"])
-def test_a_hook_with_state_resumes_as_the_uninterrupted_run(kind, hook, flags, first_epochs, real_data, tmp_path,
-                                                            procs):
+@pytest.mark.parametrize("hook,flags", [("powersgd", ()), ("powersgd:2:5", ()), ("localsgd:4:3", ("--momentum", "0.9"))],
+                         ids=["powersgd", "powersgd:2:5", "localsgd:4:3-momentum"])
+def test_a_hook_with_state_resumes_as_the_uninterrupted_run(hook, flags, first_epochs, real_data, tmp_path, procs):
     """PowerSGD's residuals (each rank's own), factors and step count go into --snapshot: epoch 2 of a resumed run is
     epoch 2 of the uninterrupted one. A new DDP's first step holds its bucket in the model's order, later steps in
     the reverse: the residuals kept in the one are put in the order of the other. Post-local SGD's step counts go in
     too, and each epoch ends with the ranks' weights and momentum averaged: rank 0's snapshot is every rank's."""
-    straight = train(kind, 2, real_data, tmp_path / "straight", procs, "--comm-hook", hook, *flags)
-    resume_from(first_epochs, kind, ["--comm-hook", hook, *flags], tmp_path, "resumed")
-    log = train(kind, 2, real_data, tmp_path / "resumed", procs, "--comm-hook", hook, *flags, "--snapshot",
+    straight = train("hooks", 2, real_data, tmp_path / "straight", procs, "--comm-hook", hook, *flags)
+    resume_from(first_epochs, "hooks", ["--comm-hook", hook, *flags], tmp_path, "resumed")
+    log = train("hooks", 2, real_data, tmp_path / "resumed", procs, "--comm-hook", hook, *flags, "--snapshot",
                 str(tmp_path / "snap.pt"))
     assert "Resuming from" in log and "1 of 2 epochs done" in log, log
     assert max_abs_diff(load_state(tmp_path / "straight" / "model.pth"),
@@ -77,14 +77,14 @@ def test_a_hook_with_state_resumes_as_the_uninterrupted_run(kind, hook, flags, f
 USER_ENV = {k: v for k, v in BASE_ENV.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
 
 
-@pytest.mark.parametrize("kind,hook", [("mp", "powersgd:2"), ("torchrun", "powersgd:2"), ("tcp", "none")])
+@pytest.mark.parametrize("kind,hook", [("hooks", "powersgd:2"), ("mp", "none"), ("tcp", "none")])
 def test_the_same_command_trains_the_same_model_as_users_run_it(kind, hook, real_data, tmp_path, procs):
     """The same seed twice, and a resumed run against the uninterrupted one, in the user's environment. torch's
     set_num_threads() sets its caller's count, and another thread's only at that thread's first parallel loop; gloo's
     threads run PowerSGD's callbacks, whose first matrix products on each then used all the cores (rank 2's differ
     from one thread's in the last bits), at whichever steps those threads happened to get them: 1e-8 here between two
-    runs. Chapter 4's workers start with OMP_NUM_THREADS, as torchrun's do; ranks started by hand: docs/snapshots.md."""
-    flags = ["--comm-hook", hook, "--train-samples", "480"]
+    runs. torchrun's workers and chapter 4's start with OMP_NUM_THREADS; ranks started by hand: docs/snapshots.md."""
+    flags = [*(["--comm-hook", hook] if hook != "none" else []), "--train-samples", "480"]
     runs = {name: launch(kind, 2, real_data, tmp_path / name, procs, extra=flags, env=USER_ENV) for name in ("a", "b")}
     snap = [*flags, "--snapshot", str(tmp_path / "snap.pt")]
     for name, epochs in (("stopped", ["--epochs", "1"]), ("resumed", [])):
@@ -112,18 +112,21 @@ def test_chapter_4s_workers_start_with_their_share_of_the_cores_as_a_user_runs_i
 
 
 def each_rank_line_says(err, world, needle):
-    """Every rank reads the snapshot itself, so each may print the line, tagged [rank N]; mp.spawn stops the others
-    as soon as one has failed, so at least one does. Each says needle, and nothing prints a traceback."""
+    """Every rank reads the snapshot itself, so each may print the line, tagged [rank N]; torchrun stops the others
+    as soon as one has failed, so at least one does. Each says needle, and no rank prints a traceback: before
+    torchrun's failure summary (which repeats each worker's recorded traceback) the one traceback is torchrun's own."""
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     ranks = [line[:15] for line in lines]
     assert lines and len(set(ranks)) == len(ranks), err
     assert set(ranks) <= {f"error: [rank {r}]" for r in range(world)}, err
-    assert all(needle in line for line in lines) and "Traceback" not in err, err
+    assert all(needle in line for line in lines), err
+    before_summary = err.split("errors.ChildFailedError:")[0]
+    assert before_summary != err and before_summary.count("Traceback (most recent call last)") == 1, err
 
 
 def test_powersgd_snapshot_at_another_world_size_is_one_line_per_rank(first_epochs, real_data, tmp_path, procs):
-    resume_from(first_epochs, "mp", ["--comm-hook", "powersgd"], tmp_path, "run")  # at SLICE's --batch-size 48
-    codes, _, err = launch("mp", 3, real_data, tmp_path / "run", procs,
+    resume_from(first_epochs, "hooks", ["--comm-hook", "powersgd"], tmp_path, "run")  # at SLICE's --batch-size 48
+    codes, _, err = launch("hooks", 3, real_data, tmp_path / "run", procs,
                            extra=["--comm-hook", "powersgd", "--snapshot", str(tmp_path / "snap.pt")])
     assert codes == [1], err
     each_rank_line_says(err, 3, f"snapshot {tmp_path / 'snap.pt'} holds PowerSGD's residuals of 2 ranks, this run has 3")
@@ -131,8 +134,8 @@ def test_powersgd_snapshot_at_another_world_size_is_one_line_per_rank(first_epoc
 
 def test_resuming_with_another_hook_is_one_line_per_rank(real_data, tmp_path, procs):
     snap = ["--snapshot", str(tmp_path / "snap.pt")]
-    train("mp", 2, real_data, tmp_path / "run", procs, *snap, "--epochs", "1")
-    codes, _, err = launch("mp", 2, real_data, tmp_path / "run", procs, extra=[*snap, "--comm-hook", "bf16"])
+    train("hooks", 2, real_data, tmp_path / "run", procs, *snap, "--epochs", "1")
+    codes, _, err = launch("hooks", 2, real_data, tmp_path / "run", procs, extra=[*snap, "--comm-hook", "bf16"])
     assert codes == [1], err
     each_rank_line_says(err, 2, "was made with --comm-hook none, this run has --comm-hook bf16")
 
@@ -140,15 +143,17 @@ def test_resuming_with_another_hook_is_one_line_per_rank(real_data, tmp_path, pr
 REFUSED = {
     "not-ddp": (["single_gpu.py", "--comm-hook", "bf16"], "unrecognized arguments: --comm-hook bf16"),
     "fsdp": (["fsdp.py", "--comm-hook", "powersgd"], "unrecognized arguments: --comm-hook powersgd"),
-    "rank-0": (["ddp_mp.py", "--comm-hook", "powersgd:0"],
+    "chapter-3": (["ddp_launch.py", "--comm-hook", "bf16"], "unrecognized arguments: --comm-hook bf16"),
+    "chapter-4": (["ddp_mp.py", "--comm-hook", "powersgd"], "unrecognized arguments: --comm-hook powersgd"),
+    "rank-0": (["ddp_comm_hooks.py", "--comm-hook", "powersgd:0"],
                "argument --comm-hook: must be none, bf16, fp16, powersgd[:RANK[:START]] or localsgd:H[:START]"),
-    "start-1": (["ddp_launch.py", "--comm-hook", "powersgd:1:1"], "(RANK >= 1, START >= 2, H >= 2; e.g. powersgd:4, "
+    "start-1": (["ddp_comm_hooks.py", "--comm-hook", "powersgd:1:1"], "(RANK >= 1, START >= 2, H >= 2; e.g. powersgd:4, "
                 "localsgd:16), got powersgd:1:1"),
-    "period-1": (["ddp_tcp_manual.py", "--comm-hook", "localsgd:1"], "H >= 2; e.g. powersgd:4, localsgd:16), got "
+    "period-1": (["ddp_comm_hooks.py", "--comm-hook", "localsgd:1"], "H >= 2; e.g. powersgd:4, localsgd:16), got "
                  "localsgd:1"),
-    "localsgd-fp16": (["ddp_slurm.py", "--comm-hook", "localsgd:8", "--precision", "fp16"],
+    "localsgd-fp16": (["ddp_comm_hooks.py", "--comm-hook", "localsgd:8", "--precision", "fp16"],
                       "--comm-hook localsgd cannot train with --precision fp16: each rank's GradScaler"),
-    "powersgd-fp16": (["ddp_mp.py", "--comm-hook", "powersgd:2:5", "--precision", "fp16"],
+    "powersgd-fp16": (["ddp_comm_hooks.py", "--comm-hook", "powersgd:2:5", "--precision", "fp16"],
                       "--comm-hook powersgd cannot train with --precision fp16: one overflowed step leaves NaN"),
 }
 
@@ -281,12 +286,17 @@ def test_powersgd_never_recovers_from_one_fp16_overflow_so_it_is_refused(tmp_pat
     assert {value: r["refused"] for value, r in report.items()} == dict(none=False, fp16=False, powersgd=True)
 
 
+def one_rank():
+    """torchrun's variables for a world of one rank, as `torchrun --nproc-per-node 1` sets them."""
+    return dict(TORCHRUN_ENV, WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(free_port()))
+
+
 def test_localsgd_saves_the_weights_alone(real_data, tmp_path):
     """torch's average_parameters would leave each weight a view into one flat buffer that at an epoch's end holds
     SGD's momentum too, and torch.save writes a view's whole buffer: model.pth doubled (5,359,977 bytes). After the
     epoch's average, model.pth is as large as chapter 1's, and each tensor of the snapshot holds its own bytes."""
-    proc = run_script("ddp_mp.py", "--nprocs", "1", "--comm-hook", "localsgd:4", "--momentum", "0.9", "--snapshot",
-                      tmp_path / "snap.pt", *slice_args(real_data, tmp_path), "--epochs", "1")
+    proc = run_script("ddp_comm_hooks.py", "--comm-hook", "localsgd:4", "--momentum", "0.9", "--snapshot",
+                      tmp_path / "snap.pt", *slice_args(real_data, tmp_path), "--epochs", "1", env=one_rank())
     assert proc.returncode == 0, proc.stderr
     weights = io.BytesIO()
     torch.save(NeuralNetwork().state_dict(), weights)  # as atomic_save writes it: 2,681,749 bytes
@@ -316,9 +326,10 @@ def test_localsgd_on_the_cpu_where_a_gpu_is_visible_opens_no_cuda_context(real_d
     """torch's average_parameters calls torch.accelerator.synchronize() whenever an accelerator is available, whatever
     the weights' device: each CPU rank of a GPU machine would open a CUDA context (and hold its memory) to average.
     The chapters' average waits only for the device its tensors are on."""
-    proc = subprocess.run([sys.executable, "ddp_mp.py", "--nprocs", "1", "--device", "cpu", "--comm-hook", "localsgd:4",
+    proc = subprocess.run([sys.executable, "ddp_comm_hooks.py", "--device", "cpu", "--comm-hook", "localsgd:4",
                            *slice_args(real_data, tmp_path / "run"), "--epochs", "1"], cwd=REPO, capture_output=True,
-                          env=gpu_visible(tmp_path, A_GPU_IS_VISIBLE + NO_CUDA_CONTEXT), text=True, timeout=300)
+                          env=gpu_visible(tmp_path, A_GPU_IS_VISIBLE + NO_CUDA_CONTEXT) | one_rank(), text=True,
+                          timeout=300)
     assert proc.returncode == 0 and "a CPU rank opened a CUDA context" not in proc.stderr, proc.stderr
     assert "Saved PyTorch Model State" in proc.stdout, proc.stdout
 
@@ -327,8 +338,8 @@ def test_powersgd_on_the_cpu_where_a_gpu_is_visible_is_one_line(real_data, tmp_p
     """torch's PowerSGD hook calls torch.cuda.synchronize(device) whenever CUDA is available, with the gradients'
     device: for --device cpu on a GPU machine that is the CPU, and every rank dies at the first compressed step
     (ValueError: Expected a cuda device, but got: cpu). The chapters refuse it before any rendezvous."""
-    proc = subprocess.run([sys.executable, "ddp_mp.py", "--nprocs", "2", "--device", "cpu", "--comm-hook", "powersgd",
-                           *slice_args(real_data, tmp_path / "run")], cwd=REPO, env=gpu_visible(tmp_path),
+    proc = subprocess.run([sys.executable, "ddp_comm_hooks.py", "--device", "cpu", "--comm-hook", "powersgd",
+                           *slice_args(real_data, tmp_path / "run")], cwd=REPO, env=gpu_visible(tmp_path) | TORCHRUN_ENV,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--comm-hook powersgd cannot train with --device cpu where a GPU is visible" in proc.stderr

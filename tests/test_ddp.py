@@ -1,5 +1,5 @@
 """The DDP chapters through their real launchers train chapter 1's model: mp.spawn, torchrun, tcp:// and file:// by
-hand, srun's variables and DDP by hand, at world sizes 1-3, at any --seed, and as two torchrun nodes on one machine;
+hand, srun's variables, DDP by hand and chapter 11b without a hook, at world sizes 1-3, at any --seed, and as two torchrun nodes on one machine;
 the evaluation is exact."""
 import re
 
@@ -15,7 +15,8 @@ from support.same_model import (SAME_MODEL, accuracy_lines, assert_same_curves, 
 # srun-env: ddp_slurm.py's two tasks started with the variables srun gives them, where no SLURM is installed (`make
 # test`); tests/test_slurm.py submits the real job to a real cluster.
 CASES = [("mp", 1), ("mp", 2), ("mp", 3), ("torchrun", 1), ("torchrun", 2), ("torchrun", 3),
-         ("tcp", 2), ("tcp", 3), ("file", 2), ("file", 3), ("srun-env", 2), ("by-hand", 2), ("by-hand", 3)]
+         ("tcp", 2), ("tcp", 3), ("file", 2), ("file", 3), ("srun-env", 2), ("by-hand", 2), ("by-hand", 3),
+         ("hooks", 2)]  # hooks: chapter 11b without a hook (--comm-hook none) is chapter 3
 
 
 @pytest.mark.parametrize("kind,world", CASES, ids=[f"{k}-{w}" for k, w in CASES])

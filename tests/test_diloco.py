@@ -37,7 +37,7 @@ def test_diloco_trains_post_local_sgds_model(world, real_data, tmp_path, procs):
     """Outer SGD at lr 1 without momentum steps the shared weights to the ranks' mean: torch's post-local SGD (local
     from the first step, the weights averaged every H steps and at each epoch's end), within float rounding."""
     log = torchrun("diloco.py", world, real_data, tmp_path / "diloco", procs, *AS_LOCALSGD)
-    ref = torchrun("ddp_launch.py", world, real_data, tmp_path / "localsgd", procs, "--comm-hook", "localsgd:5:0")
+    ref = torchrun("ddp_comm_hooks.py", world, real_data, tmp_path / "localsgd", procs, "--comm-hook", "localsgd:5:0")
     diff = max_abs_diff(load_state(tmp_path / "diloco" / "model.pth"), load_state(tmp_path / "localsgd" / "model.pth"))
     print(f"max |diff| against post-local SGD at {world} ranks: {diff:.3g}")
     assert diff <= SAME_MODEL

@@ -57,7 +57,7 @@ NOT_RUN_HERE = [
 ]
 SLICE = "--train-samples 960 --test-samples 500"
 CHAPTER_NAMES = ("single_gpu", "dataparallel", "ddp_launch", "ddp_by_hand", "ddp_mp", "ddp_tcp_manual", "ddp_slurm",
-                 "fsdp", "debug_hang", "tensor_parallel", "pipeline", "diloco")
+                 "fsdp", "debug_hang", "tensor_parallel", "pipeline", "diloco", "ddp_comm_hooks")
 # A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).
 CHAPTER = re.compile(r"((?:python3?|torchrun)\s(?:[^;&|()]*?\s)?(?:" + "|".join(CHAPTER_NAMES) + r")\.py)\b")
 

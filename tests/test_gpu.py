@@ -223,9 +223,7 @@ GLOO_ON_ONE_GPU = textwrap.dedent("""
     import os, sys
     from datetime import timedelta
     import torch, torch.distributed as dist, torch.multiprocessing as mp
-    from common.cli import parse_config
-    from common.comm_hooks import COMM_HOOK
-    from common.cli import run_main
+    from common.cli import parse_config, run_main
     from common.ranks import DistContext, destroy_process_group
     import ddp_mp
     from ddp_mp import spawned
@@ -241,7 +239,7 @@ GLOO_ON_ONE_GPU = textwrap.dedent("""
             destroy_process_group()
 
     if __name__ == "__main__":
-        cfg = parse_config(sys.argv[1:], comm_hook=COMM_HOOK)
+        cfg = parse_config(sys.argv[1:])
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
         run_main(lambda: mp.spawn(worker, args=(cfg,), nprocs=2))
 """)

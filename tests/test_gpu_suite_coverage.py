@@ -81,7 +81,7 @@ def test_every_flag_has_a_cuda_twin():
     it there). A flag added without its GPU twin turns this test red."""
     gpu_tests = {n.name: n for n in ast.parse(GPU_SUITE.read_text()).body if isinstance(n, ast.FunctionDef)}
     helps = run_forked([(chapter, ["--help"], {}) for chapter in cuda_twins.CHAPTER_NAMES])
-    hook = run_forked([("ddp_mp.py", ["--comm-hook", "?"], {})])[0].stderr
+    hook = run_forked([("ddp_comm_hooks.py", ["--comm-hook", "?"], {})])[0].stderr
     listed = hook.split("must be ", 1)[1].split(" (", 1)[0]  # none, bf16, fp16, powersgd[:RANK[:START]] or localsgd:H...
     hook_values = [re.sub(r"[\[:].*", "", value) for value in re.split(r", | or ", listed)]
     assert "powersgd" in hook_values and "localsgd" in hook_values, hook

@@ -18,7 +18,7 @@ from support.two_machines import cannot_shape, need_namespaces
 # Which collectives leave while the step still computes: DDP's first bucket and FSDP2's first gradient before the
 # backward's last op, by hand's and PowerSGD's (one bucket) only after it; FSDP2's gathers and tensor parallel's
 # all-reduce inside the forward.
-BEFORE_BACKWARD_ENDS = {"ddp_launch.py", "fsdp.py", "ddp_launch.py --comm-hook bf16", "ddp_launch.py --comm-hook fp16"}
+BEFORE_BACKWARD_ENDS = {"ddp_launch.py", "fsdp.py", "ddp_comm_hooks.py --comm-hook bf16", "ddp_comm_hooks.py --comm-hook fp16"}
 STEPS = 5  # the script's default: every recorded step is checked
 TOLERANCE_MS = 0.1  # beyond the clock offset's own error bound (half the fastest round trip, printed by the script)
 IN_FORWARD = {"fsdp.py": "all_gather", "tensor_parallel.py": "all_reduce"}

@@ -9,7 +9,7 @@ from support.ports import free_port
 from support.run import TORCHRUN
 from support.same_model import SLICE
 
-TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "diloco.py", "fsdp.py", "tensor_parallel.py", "pipeline.py",
+TORCHRUN_CHAPTERS = ("ddp_launch.py", "ddp_by_hand.py", "ddp_comm_hooks.py", "diloco.py", "fsdp.py", "tensor_parallel.py", "pipeline.py",
                      "debug_hang.py", "ddp_ft.py")
 
 
@@ -55,7 +55,7 @@ class Twin:
 MODEL_FLAGS = ("--seed", "--lr", "--momentum", "--precision", "--train-samples")
 CHAPTER_NAMES = ["single_gpu.py", "dataparallel.py", "ddp_launch.py", "ddp_by_hand.py", "ddp_mp.py",
                  "ddp_tcp_manual.py", "ddp_slurm.py", "fsdp.py", "debug_hang.py", "tensor_parallel.py", "pipeline.py",
-                 "diloco.py", "ddp_ft.py"]
+                 "diloco.py", "ddp_comm_hooks.py", "ddp_ft.py"]
 MOMENTUM = ("--momentum", "0.9")  # an optimizer with state: a resumed run must load it onto the GPU too
 LEARNS = ("--lr", "0.05")  # SLICE's 2 epochs at the quickstart's 1e-3 stay near chance (10.6%): nothing to compare
 TWINS = [
@@ -88,15 +88,16 @@ TWINS = [
     Twin("tensor_parallel.py", ("--compile",)),
     Twin("pipeline.py", ("--compile",), "refused", "pipeline.py takes no --compile"),
     Twin("debug_hang.py", ("--bug", "early-stop", "--precision", "bf16"), "refused", "debug_hang.py's cases train in fp32"),
-    # --comm-hook: torch's hooks train; at world size 1 they still round (16 bits) or approximate (PowerSGD) the
-    # gradient. PowerSGD on the CPU of this GPU machine is refused (torch's hook synchronizes CUDA on the CPU).
-    Twin("ddp_launch.py", (*LEARNS, "--comm-hook", "bf16"), "trains"),
-    Twin("ddp_mp.py", (*LEARNS, "--comm-hook", "fp16"), "trains"),
-    Twin("ddp_tcp_manual.py", (*LEARNS, "--comm-hook", "powersgd"), "trains"),
-    Twin("ddp_slurm.py", (*LEARNS, "--comm-hook", "powersgd:2:5"), "trains"),
-    Twin("ddp_mp.py", ("--comm-hook", "powersgd", "--device", "cpu"), "refused",
+    # --comm-hook (chapter 11b): torch's hooks train; at world size 1 they still round (16 bits) or approximate
+    # (PowerSGD) the gradient. PowerSGD on the CPU of this GPU machine is refused (torch's hook synchronizes CUDA on
+    # the CPU).
+    Twin("ddp_comm_hooks.py", (*LEARNS, "--comm-hook", "bf16"), "trains"),
+    Twin("ddp_comm_hooks.py", (*LEARNS, "--comm-hook", "fp16"), "trains"),
+    Twin("ddp_comm_hooks.py", (*LEARNS, "--comm-hook", "powersgd"), "trains"),
+    Twin("ddp_comm_hooks.py", (*LEARNS, "--comm-hook", "powersgd:2:5"), "trains"),
+    Twin("ddp_comm_hooks.py", ("--comm-hook", "powersgd", "--device", "cpu"), "refused",
          "--comm-hook powersgd cannot train with --device cpu where a GPU is visible"),
-    Twin("ddp_tcp_manual.py", ("--comm-hook", "powersgd", "--precision", "fp16"), "refused",
+    Twin("ddp_comm_hooks.py", ("--comm-hook", "powersgd", "--precision", "fp16"), "refused",
          "--comm-hook powersgd cannot train with --precision fp16"),
     # DDP by hand (chapter 3b): its broadcast and per-tensor all-reduces on NCCL, with accumulation, bf16, a compiled
     # model and a resumed run; fp16 refused.
@@ -105,9 +106,9 @@ TWINS = [
     Twin("ddp_by_hand.py", ("--precision", "fp16"), "refused", "ddp_by_hand.py trains in --precision fp32 or bf16"),
     # post-local SGD at world size 1: its averages are of one rank, so it is chapter 1's model (and model.pth holds the
     # weights alone); on the CPU of this GPU machine it trains; fp16 is refused.
-    Twin("ddp_launch.py", ("--comm-hook", "localsgd:4")), Twin("ddp_mp.py", ("--comm-hook", "localsgd:2:5")),
-    Twin("ddp_mp.py", ("--comm-hook", "localsgd:4", "--device", "cpu"), "trains"),
-    Twin("ddp_slurm.py", ("--comm-hook", "localsgd:4", "--precision", "fp16"), "refused",
+    Twin("ddp_comm_hooks.py", ("--comm-hook", "localsgd:4")), Twin("ddp_comm_hooks.py", ("--comm-hook", "localsgd:2:5")),
+    Twin("ddp_comm_hooks.py", ("--comm-hook", "localsgd:4", "--device", "cpu"), "trains"),
+    Twin("ddp_comm_hooks.py", ("--comm-hook", "localsgd:4", "--precision", "fp16"), "refused",
          "--comm-hook localsgd cannot train with --precision fp16"),
     # DiLoCo (chapter 11) at world size 1: with outer lr 1, no outer momentum and fp32 on the wire, each outer step
     # steps to the one rank's weights: chapter 1's model. Its own outer step with fragments overlapped (NCCL's async
@@ -124,9 +125,10 @@ TWINS = [
          "ddp_ft.py does not take --snapshot, --precision fp16"),
     # --snapshot: a run stopped after epoch 1 and resumed is the uninterrupted one, in every chapter that takes it.
     Twin("single_gpu.py", (*MOMENTUM, "--save-every", "1"), "resume"), Twin("dataparallel.py", MOMENTUM, "resume"),
-    Twin("ddp_launch.py", (*MOMENTUM, "--comm-hook", "bf16"), "resume"),
-    Twin("ddp_mp.py", (*MOMENTUM, "--comm-hook", "powersgd"), "resume"),  # PowerSGD's state loaded onto the GPU
-    Twin("ddp_tcp_manual.py", (*MOMENTUM, "--comm-hook", "localsgd:4"), "resume"),  # its step counts, momentum averaged
+    Twin("ddp_launch.py", MOMENTUM, "resume"), Twin("ddp_mp.py", MOMENTUM, "resume"),
+    Twin("ddp_comm_hooks.py", (*MOMENTUM, "--comm-hook", "bf16"), "resume"),
+    Twin("ddp_comm_hooks.py", (*MOMENTUM, "--comm-hook", "powersgd"), "resume"),  # PowerSGD's state onto the GPU
+    Twin("ddp_comm_hooks.py", (*MOMENTUM, "--comm-hook", "localsgd:4"), "resume"),  # its step counts, momentum averaged
     Twin("ddp_tcp_manual.py", MOMENTUM, "resume"), Twin("ddp_slurm.py", ("--precision", "fp16"), "resume"),
     Twin("fsdp.py", MOMENTUM, "resume"), Twin("tensor_parallel.py", MOMENTUM, "resume"),
     Twin("pipeline.py", MOMENTUM, "resume"),

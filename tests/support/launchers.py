@@ -21,8 +21,8 @@ def launch(kind, world, real_data, out, procs, timeout=60, extra=(), env=BASE_EN
     port = free_port()
     if kind == "mp":
         ps = [procs.start([sys.executable, "ddp_mp.py", "--nprocs", str(world), *args], env=env)]
-    elif kind in ("torchrun", "by-hand"):  # by-hand: chapter 3b, DDP's job by hand, under torchrun as chapter 3
-        script = "ddp_launch.py" if kind == "torchrun" else "ddp_by_hand.py"
+    elif kind in ("torchrun", "by-hand", "hooks"):  # chapter 3b (DDP's job by hand) and 11b (--comm-hook): as 3
+        script = {"torchrun": "ddp_launch.py", "by-hand": "ddp_by_hand.py", "hooks": "ddp_comm_hooks.py"}[kind]
         ps = [procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", str(world), script, *args], env=env)]
     elif kind == "srun-env":  # chapter 6's tasks as one srun step starts them on one node: only its variables differ
         step = dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NTASKS=str(world), SLURM_STEP_NODELIST="localhost",

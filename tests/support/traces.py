@@ -13,9 +13,9 @@ LAYERS = [200_960 * 4, 131_328 * 4, 2_565 * 4]
 COLLECTIVES = {
     "ddp_launch.py": dict(all_reduce=[267_786 * 4, 401_920 * 4]),
     "ddp_by_hand.py": dict(all_reduce=[784 * 512 * 4, 512 * 4, 512 * 512 * 4, 512 * 4, 512 * 10 * 4, 10 * 4]),
-    "ddp_launch.py --comm-hook powersgd": dict(all_reduce=[1034 * 4, 1034 * 4, 1808 * 4]),
-    "ddp_launch.py --comm-hook bf16": dict(all_reduce=[267_786 * 2, 401_920 * 2]),  # the hooks' half-size dtypes
-    "ddp_launch.py --comm-hook fp16": dict(all_reduce=[267_786 * 2, 401_920 * 2]),
+    "ddp_comm_hooks.py --comm-hook powersgd": dict(all_reduce=[1034 * 4, 1034 * 4, 1808 * 4]),
+    "ddp_comm_hooks.py --comm-hook bf16": dict(all_reduce=[267_786 * 2, 401_920 * 2]),  # the hooks' half-size dtypes
+    "ddp_comm_hooks.py --comm-hook fp16": dict(all_reduce=[267_786 * 2, 401_920 * 2]),
     "fsdp.py": dict(all_gather=LAYERS * 2, all_reduce=[401_920 * 4, 262_656 * 4, 5_130 * 4]),
     "tensor_parallel.py": dict(all_reduce=[64 * 512 * 4]),
 }
