@@ -15,7 +15,7 @@ from support.same_model import SAME_MODEL, accuracy_lines, load_state, max_abs_d
 
 
 def start_lighthouse(procs, min_replicas=1):
-    """A lighthouse on a free loopback port, as README starts it; its address."""
+    """A lighthouse on a free loopback port, as docs/fault_tolerance.md starts it; its address."""
     port = free_port()
     procs.start(lighthouse_command(f"127.0.0.1:{port}", min_replicas), env={**BASE_ENV, "RUST_LOG": "warn"})
     return f"http://127.0.0.1:{port}"

@@ -32,7 +32,7 @@ STEP_21 = "[  960/19200]"  # the loss line of LONG_FT's step 21 (epoch 1)
 
 
 def lighthouse_command(bind, min_replicas=1):
-    """The lighthouse as README starts it, listening at bind (host:port)."""
+    """The lighthouse as docs/fault_tolerance.md starts it, listening at bind (host:port)."""
     return [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--join_timeout_ms", "10000", "--bind", bind]
 
 
