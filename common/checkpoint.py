@@ -17,11 +17,11 @@ from common.cli import FatalError, flag_text
 from common.ranks import all_reduce_sum, print0
 
 SNAPSHOT_FORMAT = "fashion-mnist-ddp-tutorial snapshot v2"
-SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v2"  # v2: the optimizer state flattened
+SHARDED_FORMAT = "fashion-mnist-ddp-tutorial sharded snapshot v2"  # In v2 the optimizer state is flattened.
 FIX = "delete it to start afresh, or pass another --snapshot"
-# The flags that decide the weights at every step: a run may only resume a snapshot made with the same ones. The
-# world size, device, data folder, --epochs and --accum-steps may change (the same global batch trains the same
-# model); --precision and --comm-hook may not (bf16 steps are not fp32 steps).
+# The flags that decide the weights at every step. A run may only resume a snapshot made with the same ones. The
+# world size, device, data folder, --epochs and --accum-steps may change, since the same global batch trains the
+# same model. --precision and --comm-hook may not, since bf16 steps are not fp32 steps.
 TRAJECTORY_FLAGS = ("batch_size", "lr", "momentum", "seed", "train_samples", "precision", "comm_hook")
 
 
@@ -49,7 +49,7 @@ def atomic_save(obj, path):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        with contextlib.suppress(OSError):  # a read-only disk refuses even that
+        with contextlib.suppress(OSError):  # A read-only disk refuses even the unlink.
             tmp.unlink(missing_ok=True)
         raise FatalError(f"cannot write {path}: {e.strerror}; free some space or pass another --output / --snapshot") \
             from None
@@ -83,7 +83,7 @@ def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=No
         hook = hook_state.all_gather(ctx) if hook_state else None
         on_rank0_then_all_reduce(lambda: atomic_save(dict(
             format=SNAPSHOT_FORMAT, epochs_done=epochs_done, config={k: getattr(cfg, k, "none") for k in TRAJECTORY_FLAGS},
-            model=getattr(model, "module", model).state_dict(),  # DDP's plain model: no `module.`
+            model=getattr(model, "module", model).state_dict(),  # DDP's plain model, so the keys have no `module.`.
             optimizer=optimizer.state_dict(),
             scaler=scaler.state_dict() if scaler else {},  # fp16's loss scale ({} when off, or no scaler)
             comm_hook=hook), cfg.snapshot), ctx, f"write the snapshot {cfg.snapshot}")
@@ -92,8 +92,8 @@ def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=No
 def read_snapshot(path, kind, device="cpu"):
     """A snapshot file of this tutorial's `kind` format, loaded with weights_only (no pickled code); else one line."""
     try:
-        snapshot = torch.load(path, map_location=device, weights_only=True)  # straight onto this rank's device
-    except Exception as e:  # cut off, not a torch file, a pickle weights_only refuses
+        snapshot = torch.load(path, map_location=device, weights_only=True)  # Loads straight onto this rank's device.
+    except Exception as e:  # A file cut off, not a torch file, or a pickle that weights_only refuses.
         raise FatalError(f"snapshot {path} cannot be read ({type(e).__name__}): is it cut off or another kind of "
                          f"file? {FIX}") from None
     if not isinstance(snapshot, dict) or snapshot.get("format") != kind:
@@ -119,7 +119,7 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state=None):
     """With --snapshot FILE there: it loaded into model, optimizer (and the hook's state); the epochs it holds, or 0."""
     path = Path(cfg.snapshot or ".")
     if cfg.snapshot:
-        prepare_output(path.parent, "--snapshot")  # fail now, not after the first epoch
+        prepare_output(path.parent, "--snapshot")  # Fail now, not after the first epoch.
     if not cfg.snapshot or not path.exists():
         return 0
     snapshot = read_snapshot(path, SNAPSHOT_FORMAT, ctx.device)
@@ -127,7 +127,7 @@ def load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state=None):
     try:
         getattr(model, "module", model).load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
-        if snapshot.get("scaler"):  # fp16's (a snapshot's flags match this run's --precision)
+        if snapshot.get("scaler"):  # Only fp16 saves one, and a snapshot's flags match this run's --precision.
             scaler.load_state_dict(snapshot["scaler"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise FatalError(f"snapshot {path} holds a different model ({str(e).strip().splitlines()[0]}); {FIX}") from None
@@ -218,12 +218,12 @@ def find_sharded_snapshot(cfg, ctx):
     if root.exists() and not root.is_dir():
         raise FatalError(f"--snapshot {root} is a file; sharded snapshots are folders (one file per rank, written "
                          f"by torch.distributed.checkpoint): pass a folder name, e.g. --snapshot runs/snap-fsdp")
-    prepare_output(root, "--snapshot")  # fail now, not after the first epoch
+    prepare_output(root, "--snapshot")  # Fail now, not after the first epoch.
     number = lambda folder: int(folder.name[6:]) if folder.name[6:].isdigit() else -1  # noqa: E731  (epoch-N)
     finished = sorted((p.parent for p in root.glob("epoch-*/snapshot.pt")), key=number)
     check_one_folder(f"finds {finished[-1].name}" if finished else "finds no finished snapshot", ctx, cfg)
     if not finished:
         return None
     about = read_snapshot(finished[-1] / "snapshot.pt", SHARDED_FORMAT)
-    check_resumable(about, cfg, finished[-1])  # the same flags, not ahead of --epochs
+    check_resumable(about, cfg, finished[-1])  # It checks the flags match and the snapshot is not ahead of --epochs.
     return finished[-1], about["epochs_done"], about["world_size"]

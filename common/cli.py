@@ -28,24 +28,24 @@ class UsageError(FatalError):
 def _number(kind, ok, words):
     """An argparse type: text as kind (int or float; else argparse's own line) for which ok(value) holds."""
     def parse(text):
-        if not ok(kind(text)):  # `not ok` also refuses nan
+        if not ok(kind(text)):  # Written `not ok` so that it also refuses nan.
             raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
         return kind(text)
 
-    parse.__name__ = kind.__name__  # argparse's line for text that is no number: "invalid int value: 'two'"
+    parse.__name__ = kind.__name__  # For text that is no number, argparse's line names it: "invalid int value: 'two'".
     return parse
 
 
 POSITIVE = _number(int, lambda v: v >= 1, "a positive integer")
 NON_NEGATIVE = _number(int, lambda v: v >= 0, "an integer >= 0")
-RATE = _number(float, lambda v: v > 0, "a positive number")  # a learning rate
+RATE = _number(float, lambda v: v > 0, "a positive number")  # The type of a learning rate.
 MOMENTUM = _number(float, lambda v: 0 <= v < 1, "at least 0 and below 1")
-REQUIRED = object()  # the default of a chapter flag that must be given
+REQUIRED = object()  # A chapter flag with this default must be given.
 
 
 def device_type(text):
     """--device's type: cpu, or a GPU this machine has (cuda, cuda:N)."""
-    gpus = torch.cuda.device_count()  # 0 where no GPU is visible
+    gpus = torch.cuda.device_count()  # It is 0 where no GPU is visible.
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text) or text != "cpu" and (torch.device(text).index or 0) >= gpus:
         raise argparse.ArgumentTypeError(f"{text!r}: use cpu, or cuda or cuda:N of the {gpus} GPU(s) visible here "
                                          f"(check CUDA_VISIBLE_DEVICES, nvidia-smi)")
@@ -108,7 +108,7 @@ def parse_config(argv=None, description=None, **chapter_flags):
                             required=default is REQUIRED, default=None if default is REQUIRED else default)
     given = vars(parser.parse_args(argv))
     cfg = Config(**{name: given.pop(name) for name in FIELDS})
-    vars(cfg).update(given)  # the chapter's own flags
+    vars(cfg).update(given)  # What is left are the chapter's own flags.
     if cfg.batch_size % cfg.accum_steps:
         parser.error(f"--batch-size {cfg.batch_size} must split into --accum-steps {cfg.accum_steps} equal "
                      f"micro-batches; use a multiple of {cfg.accum_steps}")
@@ -123,14 +123,14 @@ def parse_config(argv=None, description=None, **chapter_flags):
 
 def check_fsdp2(cfg, script, sharded_over, uses_fsdp2=True):
     """What sharded weights refuse, in one line before any rendezvous: fp16, too few test images, too old a torch."""
-    if cfg.precision == "fp16":  # a GradScaler would see only this rank's slices of the gradients
+    if cfg.precision == "fp16":  # A GradScaler would see only this rank's slices of the gradients.
         raise UsageError(f"{script} trains in --precision fp32 or bf16; fp16 needs a scaler that checks every rank's "
                          f"gradient slices for overflow, which this chapter does not have: use --precision bf16")
     if cfg.test_samples is not None and cfg.test_samples < sharded_over:  # a rank with no test image: no forward()
         raise UsageError(f"--test-samples {cfg.test_samples} is fewer than the {sharded_over} ranks: under FSDP every "
                          f"rank must run every test batch (forward() gathers the weights); use at least {sharded_over}")
     on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
-    if uses_fsdp2 and on_cpu and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it
+    if uses_fsdp2 and on_cpu and not hasattr(torch.cpu.Stream, "record_event"):  # FSDP2 times its gathers with it.
         raise UsageError(f"{script} on the CPU needs torch 2.7 or later, whose CPU streams FSDP2 can time its "
                          f"gathers with (torch.cpu.Stream.record_event); this is torch {torch.__version__}: upgrade "
                          f"torch, or run {script} on GPUs")
@@ -146,7 +146,7 @@ def flag_text(name, value):
 # torch's messages recognised by their words, each explained in one line that names the fix torch's own text does
 # not (seen on torch 2.14.1; Triton's on 2.11). The distributed chapters add theirs (ranks.name_rank_in_errors).
 EXPLAINED = [
-    # --compile on the CPU: Inductor builds its kernels with the C++ compiler in $CXX (default g++).
+    # With --compile on the CPU, Inductor builds its kernels with the C++ compiler in $CXX (default g++).
     (r"No working C\+\+ compiler found", lambda m: "--compile needs a working C++ compiler to build its CPU kernels "
      "(g++, or the one $CXX names) and found none: install one (`apt-get install g++`, as `make tools` does), or run "
      "without --compile"),
@@ -156,7 +156,7 @@ EXPLAINED = [
         f"{' failed: its error is above' if m[1] else ''}): install gcc and Python's headers (`apt-get install gcc "
         "python3-dev`), or run without --compile")),
 ]
-RANK = [None]  # this process's global rank where there are several, for the [rank N] prefix
+RANK = [None]  # Holds this process's global rank where there are several, for the [rank N] prefix.
 
 
 def explain(error):
@@ -171,13 +171,13 @@ def say(error, rank=None):
     if getattr(error, "said", False):
         return
     rank, line, shown = RANK[0] if rank is None else rank, explain(error), ""
-    if line is None:  # not recognised: its whole message and where it came from, as `python` prints them
+    if line is None:  # Not recognised, so show its whole message and where it came from, as `python` prints them.
         shown = "".join(traceback.format_exception(error))
         line = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]} (the traceback above)"
     prefix = f"[rank {rank}] " if rank is not None and not line.startswith("[rank") else ""
-    sys.stderr.write(f"{shown}error: {prefix}{line}\n")  # one write: other ranks' lines cannot land inside it
+    sys.stderr.write(f"{shown}error: {prefix}{line}\n")  # One write, so other ranks' lines cannot land inside it.
     sys.stderr.flush()
-    with contextlib.suppress(AttributeError):  # (an exception type with __slots__ takes no new attribute)
+    with contextlib.suppress(AttributeError):  # An exception type with __slots__ takes no new attribute.
         error.said = True
 
 
@@ -192,7 +192,7 @@ def end_process(code):
     with contextlib.suppress(OSError, ValueError):  # a reader that left, a closed stream: nothing more to show
         sys.stdout.flush()
         sys.stderr.flush()
-    ctypes.CDLL(None).fflush(None)  # C's stdio too (NCCL's and gloo's own lines)
+    ctypes.CDLL(None).fflush(None)  # Flush C's stdio too, which holds NCCL's and gloo's own lines.
     os._exit(code)
 
 
@@ -203,8 +203,8 @@ def run_main(main):
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         end_process(130)
-    except BrokenPipeError:  # `python single_gpu.py | head`: the reader left; stop quietly, as other tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the last flush cannot fail
+    except BrokenPipeError:  # As in `python single_gpu.py | head`, the reader left. Stop quietly, as other tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Then the last flush cannot fail.
         end_process(141)
     except Exception as e:
         stop(e)

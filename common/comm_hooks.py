@@ -16,7 +16,7 @@ from common.cli import FatalError, flag
 # this model 2 trains as well as torch's default, 1,000: 64.8% and 64.9% after 5 epochs at rank 1, chapter 1 64.9%
 # (measured by the sweep's accuracy runs, since replaced by measure/scaling.py --whole; docs/scaling.md).
 POWERSGD_START = 2
-# With PowerSGD the chapters ask DDP for one bucket of up to 25 MiB (the whole 2.6 MB gradient) from the first step:
+# With PowerSGD the chapters ask DDP for one bucket of up to 25 MiB (the whole 2.6 MB gradient) from the first step.
 # PowerSGD keeps its residuals and factors per bucket index, and DDP's default buckets change after the first step
 # (one becomes two here), so a run resumed from a --snapshot would meet, in its first step, residuals kept for other
 # buckets. One bucket also keeps gloo from aborting: PowerSGD starts a bucket's second and third all-reduce from a
@@ -39,7 +39,7 @@ def check_comm_hook(cfg):
         return ("--comm-hook powersgd cannot train with --device cpu where a GPU is visible: torch's PowerSGD hook "
                 "then calls torch.cuda.synchronize() on the CPU's gradients and fails at its first compressed step; "
                 "train on the GPUs, or hide them to train on the CPU (CUDA_VISIBLE_DEVICES=)")
-    if cfg.comm_hook.startswith("powersgd") and cfg.precision == "fp16":  # torch's residuals keep an overflow's NaN
+    if cfg.comm_hook.startswith("powersgd") and cfg.precision == "fp16":  # Torch's residuals keep an overflow's NaN.
         return ("--comm-hook powersgd cannot train with --precision fp16: one overflowed step leaves NaN in PowerSGD's "
                 "residuals for good, and the GradScaler then skips every later step; use --precision bf16")
     if cfg.comm_hook.startswith("localsgd") and cfg.precision == "fp16":  # each rank's own overflows skip its steps
@@ -84,7 +84,7 @@ class LocalSGD:
             # torch's average_parameters, less two faults: it leaves each tensor a view into one flat buffer (model.pth
             # then holds the momentum too), and syncs the GPU for CPU tensors too (each CPU rank opens a CUDA context)
             flat = torch.cat([t.reshape(-1) for t in tensors]) / dist.get_world_size()
-            if flat.device.type != "cpu":  # torch's wait for the device before its all-reduce
+            if flat.device.type != "cpu":  # Torch waits for the device here, before its all-reduce.
                 torch.accelerator.synchronize()
             dist.all_reduce(flat)
             for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
@@ -102,7 +102,7 @@ class PowerSGD:
 
     def __init__(self, model, rank=1, start=POWERSGD_START):
         self.state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start)
-        self.orders = {}  # per bucket, its parameters' order (indices into the model's)
+        self.orders = {}  # It maps each bucket to its parameters' order, as indices into the model's.
         self.index = {id(p): i for i, p in enumerate(model.parameters())}
         model.register_comm_hook(self.state, self.in_bucket_order)
 
@@ -113,13 +113,13 @@ class PowerSGD:
             self.orders[b] = order
             return powerSGD_hook.powerSGD_hook(state, bucket)
         at = {i: k for k, i in enumerate(order)}
-        own = [bucket.gradients()[at[i]] for i in self.orders[b]]  # views of DDP's buffer, in the kept order
-        flat = torch.cat([g.reshape(-1) for g in own])  # a new buffer, aligned as DDP's
+        own = [bucket.gradients()[at[i]] for i in self.orders[b]]  # These are views of DDP's buffer, in the kept order.
+        flat = torch.cat([g.reshape(-1) for g in own])  # This new buffer is aligned as DDP's is.
         grads = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in own]), own)]
         laid = SimpleNamespace(index=bucket.index, is_last=bucket.is_last, buffer=lambda: flat, gradients=lambda: grads,
                                parameters=lambda: [bucket.parameters()[at[i]] for i in self.orders[b]])
 
-        def copy_back(future):  # the hook's result (in flat), each gradient back where DDP keeps it
+        def copy_back(future):  # It copies the hook's result (in flat) back to each gradient, where DDP keeps it.
             for g, new in zip(own, grads):
                 g.copy_(new)
             return bucket.buffer()

@@ -30,11 +30,11 @@ def download(root):
     """torchvision's download into root; None, or why it could not."""
     if os.environ.get("FASHION_MNIST_OFFLINE"):
         return "FASHION_MNIST_OFFLINE is set, so no download was tried"
-    socket.setdefaulttimeout(30)  # no internet should fail fast, not hang
+    socket.setdefaulttimeout(30)  # Without internet the download should fail fast, not hang.
     try:
         for train in (True, False):
             FashionMNIST(root, train=train, download=True)
-    except Exception as e:  # torchvision raises RuntimeError, URLError, ... when offline
+    except Exception as e:  # Offline, torchvision raises RuntimeError, URLError, and others.
         return f"the download failed ({type(e).__name__}: {e})"
     finally:
         socket.setdefaulttimeout(None)
@@ -51,7 +51,7 @@ class DeviceImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index):
-        return self.images[index].float().div_(255), self.labels[index]  # ToTensor's scaling
+        return self.images[index].float().div_(255), self.labels[index]  # This is ToTensor's scaling.
 
     def __getitems__(self, indices):  # the DataLoader's batched fetch: the whole batch (collate_fn=default_convert)
         index = torch.tensor(indices)
@@ -86,14 +86,14 @@ def unpack_debian_copy(root="data", packed=os.environ.get("FASHION_MNIST_SYSTEM_
         tmp.mkdir(parents=True, exist_ok=True)
         for name in names:
             os.replace(extract_archive(Path(packed) / f"{name}.gz", tmp), raw / name)
-    except (OSError, EOFError) as e:  # a read-only or full disk, a damaged .gz
+    except (OSError, EOFError) as e:  # Raised by a read-only or full disk, or by a damaged .gz.
         raise FatalError(f"Debian's copy could not be unpacked into {raw} ({type(e).__name__}: {e})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return raw
 
 
-if __name__ == "__main__":  # `python -m common.data [ROOT]`: what `make data` runs
+if __name__ == "__main__":  # What `make data` runs is `python -m common.data [ROOT]`.
     import sys
 
     from common.cli import run_main

@@ -25,7 +25,7 @@ class DistContext:
     data_group: object = None  # the ranks whose batches differ, that sums run over (None: all; chapter 9: its dp row)
 
     @property
-    def is_main(self):  # global rank 0: the one process that prints the tutorial's lines and writes files
+    def is_main(self):  # Global rank 0 is the one process that prints the tutorial's lines and writes files.
         return self.rank == 0
 
 
@@ -46,11 +46,11 @@ def print0(ctx, *args):
 def destroy_process_group():
     """dist.destroy_process_group() in a chapter's `finally`; the backends freed after it, each letting go of the GIL
     (troubleshooting.md). On the way out of an error, the error's line first, and the groups left without a wait."""
-    error = sys.exc_info()[1]  # in a `finally`: the error on its way out, if there is one
+    error = sys.exc_info()[1]  # In a `finally`, this is the error on its way out, if there is one.
     if error is not None and dist.is_initialized():
-        # Its line now, before any teardown: since torch 2.6 NCCL's teardown finishes every collective this rank
+        # Say its line now, before any teardown. Since torch 2.6, NCCL's teardown finishes every collective this rank
         # queued, and one that no peer joins never ends. So NCCL's communicators are aborted instead.
-        if isinstance(error, Exception):  # (Ctrl-C: run_main says "interrupted")
+        if isinstance(error, Exception):  # On Ctrl-C, run_main says "interrupted" instead.
             say(error)
         if dist.get_backend() == "nccl":
             dist.distributed_c10d._abort_process_group()  # every group's (torch's own; on gloo it does nothing)
@@ -79,7 +79,7 @@ def rank_device(requested, local_rank, ranks_here=None):
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    if gpus == 1 and not ranks_here:  # this rank's own GPU, whatever its index on the machine
+    if gpus == 1 and not ranks_here:  # The one visible GPU is this rank's own, whatever its index on the machine.
         return torch.device("cuda", 0)
     if max(ranks_here or 0, local_rank + 1) > gpus:
         raise UsageError(f"{f'{ranks_here} ranks on this machine' if ranks_here else f'local rank {local_rank}'} but "
@@ -125,8 +125,8 @@ def free_port(host="127.0.0.1", candidates=None):
     raise OSError(f"no free port on {host} below {low}")
 
 
-# Flags every rank must share: with others, the ranks take different numbers of steps or collectives, and gloo
-# aborts the process (SIGABRT) on the first mismatched one. --data-dir, --output and --device may differ.
+# The flags every rank must share. With different ones the ranks take different numbers of steps or collectives, and
+# gloo aborts the process (SIGABRT) on the first mismatched one. --data-dir, --output and --device may differ.
 SAME_ON_EVERY_RANK = ("epochs", "batch_size", "lr", "momentum", "seed", "train_samples", "test_samples", "log_every",
                       "save_every", "accum_steps", "precision", "compile")
 
@@ -147,7 +147,7 @@ def check_flags_and_set_threads(cfg, ctx):
         threads = cpu_threads(sum(other == host for other, _ in everyone))
     torch.set_num_threads(threads)
     print(f"[rank {ctx.rank}] host={host} local_rank={ctx.local_rank} device={ctx.device} "
-          f"backend={dist.get_backend()} world_size={ctx.world_size} threads={threads}\n", end="", flush=True)  # 1 write
+          f"backend={dist.get_backend()} world_size={ctx.world_size} threads={threads}\n", end="", flush=True)
 
 
 def cpu_threads(ranks_here):
@@ -160,7 +160,7 @@ def cpu_threads(ranks_here):
 def print_parameter_bytes(model, ctx):
     """Rank 0's line: the model's parameter bytes, and those each rank holds (a DTensor's slice, a stage's layers)."""
     mine = sum(getattr(p, "to_local", lambda: p)().numel() * p.element_size() for p in model.parameters())
-    full = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel() is the whole
+    full = sum(p.numel() * p.element_size() for p in model.parameters())  # A DTensor's numel() counts the whole tensor.
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     if not any(hasattr(p, "to_local") for p in model.parameters()):  # pipeline stages: their layers add up
@@ -189,7 +189,7 @@ DISTRIBUTED_ERRORS = [  # (torch's words, as seen on torch 2.14.1, and the line 
     (r"^\s*(Wait timeout|Socket Timeout|wait timeout after (\d+)ms, keys: .*)\s*$", lambda m: (
         f"not every rank reached the rendezvous within --timeout{f' ({int(m[2]) / 1000:g}s)' if m[2] else ''}: "
         f"{MISSING_PEERS}")),
-    (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m: (  # gloo: a peer's process died
+    (r"Connection (?:closed|reset) by peer|Broken pipe", lambda m: (  # Gloo says this when a peer's process died.
         f"lost contact with the other ranks ({m[0]}): another rank died (see its log), or the "
         f"network between them failed")),
     # gloo: a peer stopped answering but kept its connection (stopped, hung, or elsewhere), or gloo then closed it
