@@ -16,13 +16,13 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
-from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
+from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.cli import POSITIVE, end_process, flag, parse_config, run_main, stop
-from common.data import load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
 from common.ranks import (DistContext, check_flags_and_set_threads, check_global_batch, cpu_threads,
-                          destroy_process_group, name_rank_in_errors, print0, rank_device)
+                          destroy_process_group, local_rank_0_first, name_rank_in_errors, print0, rank_device)
 
 
 def main():
@@ -86,19 +86,16 @@ def train(cfg, ctx):
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
     check_flags_and_set_threads(cfg, ctx)  # Each rank's line and share of the cores; differing flags stop all.
     output = prepare_output(cfg.output)
-    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
     # Step 4, data: chapter 1's shuffle dealt to the ranks in turn; each rank tests its own part of the test set.
-    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
-        locate_fashion_mnist(cfg.data_dir)
-    dist.barrier()  # ... while the others wait here
-    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    with local_rank_0_first(ctx):  # One process per machine finds the data (downloading it if it must), then the rest.
+        train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
                               sampler=train_sampler, collate_fn=default_convert)
-    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
-                             collate_fn=default_convert)
+    test_set = Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size))
+    test_loader = DataLoader(test_set, batch_size=1000, collate_fn=default_convert)  # The dataset gives whole batches.
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
@@ -117,12 +114,10 @@ def train(cfg, ctx):
     for epoch in range(first_epoch, cfg.epochs):
         print0(ctx, f"Epoch {epoch + 1}\n-------------------------------")
         train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
-        # Inside, DDP's backward() all-reduces the gradients. With --accum-steps, no_sync() holds them back.
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics, no_sync=model.no_sync)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # Every --save-every epochs, if --snapshot is set.
-        if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
-            return
+        if save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx):  # Every --save-every epochs, with --snapshot.
+            return  # SLURM warned of its time limit (docs/slurm.md): the snapshot holds the run.
     print0(ctx, "Done!")
 
     # Step 7, save: the plain model's weights, once, without DDP's `module.` prefix, so every chapter loads them.

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, DistributedSampler, Subset, default_convert
 
-from common.checkpoint import StopAtTimeLimit, load_snapshot, prepare_output, save_snapshot, save_weights
+from common.checkpoint import load_snapshot, prepare_output, save_snapshot, save_weights
 from common.cli import MOMENTUM, NON_NEGATIVE, POSITIVE, RATE, FatalError, flag, parse_config, run_main
-from common.data import load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, check_flags_and_set_threads, check_global_batch, check_torchrun_worker,
-                          destroy_process_group, name_rank_in_errors, print0, rank_device)
+from common.ranks import (DistContext, check_flags_and_set_threads, check_torchrun_worker, destroy_process_group,
+                          local_rank_0_first, print0, rank_device)
 
 WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -66,13 +66,11 @@ DILOCO_FLAGS = dict(
 @record  # Under torchrun, this worker's error and traceback go into torchrun's failure summary.
 def main():
     cfg = parse_config(description=__doc__, **DILOCO_FLAGS)
-    check_torchrun_worker()  # One line, not a traceback, if torchrun did not start this process.
+    check_torchrun_worker(cfg)  # One line if torchrun did not start this process or the global batch does not split.
     # Step 1, who am I: torchrun sets RANK (global: rank 0 prints and saves), LOCAL_RANK (it picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    name_rank_in_errors(rank, world_size)
-    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
@@ -93,7 +91,6 @@ def train(cfg, ctx):
     print0(ctx, f"Using {ctx.device} device, {ctx.world_size} processes, backend {dist.get_backend()}")
     check_flags_and_set_threads(cfg, ctx)  # Each rank's line and share of the cores; differing flags stop all.
     output = prepare_output(cfg.output)
-    time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
     # Step 3, init (continued): two groups of ours, each waiting --timeout as the default one does (a new group waits
     # torch's default: 10 minutes on NCCL, 30 on gloo). A copy's N ranks (one machine's) average gradients in
@@ -107,16 +104,14 @@ def train(cfg, ctx):
     # Step 4, data: chapter 1's shuffle dealt to the ranks in turn; each rank tests its own part of the test set.
     # Copy c's N ranks take what rank c of `copies` ranks would (so a copy trains alike at any N), dealt among them.
     dealt = ctx.rank // n + ctx.rank % n * copies  # ctx.rank at one rank per copy
-    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
-        locate_fashion_mnist(cfg.data_dir)
-    dist.barrier()  # ... while the others wait here
-    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    with local_rank_0_first(ctx):  # One process per machine finds the data (downloading it if it must), then the rest.
+        train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=dealt, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),
                               sampler=train_sampler, collate_fn=default_convert)
-    test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), batch_size=1000,
-                             collate_fn=default_convert)
+    test_set = Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size))
+    test_loader = DataLoader(test_set, batch_size=1000, collate_fn=default_convert)  # The dataset gives whole batches.
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
@@ -144,9 +139,8 @@ def train(cfg, ctx):
         # backward() leaves each rank its own gradients, step() takes them; every H steps the outer step follows
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(diloco.shared_model(), test_loader, epoch, ctx, metrics)  # the last outer step's: the same everywhere
-        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx, diloco)  # every --save-every epochs
-        if time_limit.any_rank_warned(epoch + 1, cfg, ctx):
-            return
+        if save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx, diloco):  # Every --save-every epochs.
+            return  # SLURM warned of its time limit (docs/slurm.md): the snapshot holds the run.
     if diloco.last_sync():  # the steps since each fragment's last sync, averaged in too (after the last snapshot)
         print0(ctx, "After the last sync, the weights model.pth holds:")
         evaluate(diloco.shared_model(), test_loader, cfg.epochs - 1, ctx, MetricsLog(None, ctx))  # printed, not logged

@@ -24,24 +24,22 @@ from common.checkpoint import (StopAtTimeLimit, atomic_save, find_sharded_snapsh
                                flat_optimizer_options, prepare_output, print_resumed, sharded_snapshot_due,
                                sharded_snapshot_errors)
 from common.cli import check_fsdp2, parse_config, run_main
-from common.data import load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
-from common.ranks import (DistContext, check_flags_and_set_threads, check_global_batch, check_torchrun_worker,
-                          destroy_process_group, name_rank_in_errors, print0, print_parameter_bytes, rank_device)
+from common.ranks import (DistContext, check_flags_and_set_threads, check_torchrun_worker, destroy_process_group,
+                          local_rank_0_first, print0, print_parameter_bytes, rank_device)
 
 
 @record  # Under torchrun, this worker's error and traceback go into torchrun's failure summary.
 def main():
     cfg = parse_config(description=__doc__)
     check_fsdp2(cfg, "fsdp.py", int(os.environ.get("WORLD_SIZE", 1)))  # no fp16; a test image per rank; FSDP2 here
-    check_torchrun_worker()  # One line, not a traceback, if torchrun did not start this process.
+    check_torchrun_worker(cfg)  # One line if torchrun did not start this process or the global batch does not split.
     # Step 1, who am I: torchrun sets RANK (global: rank 0 prints and saves), LOCAL_RANK (it picks the GPU), WORLD_SIZE.
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    name_rank_in_errors(rank, world_size)
-    check_global_batch(cfg.batch_size, world_size, cfg.accum_steps)
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
@@ -65,10 +63,8 @@ def train(cfg, ctx):
     time_limit = StopAtTimeLimit()  # SLURM's SIGUSR1 warns of the time limit; the run then stops at a snapshot.
 
     # Step 4, data: chapter 1's shuffle dealt to the ranks in turn; each rank tests its own part of the test set.
-    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
-        locate_fashion_mnist(cfg.data_dir)
-    dist.barrier()  # ... while the others wait here
-    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    with local_rank_0_first(ctx):  # One process per machine finds the data (downloading it if it must), then the rest.
+        train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (ctx.world_size * cfg.accum_steps),

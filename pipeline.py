@@ -22,11 +22,11 @@ from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
 from common.cli import POSITIVE, UsageError, flag, parse_config, run_main
-from common.data import load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist
 from common.engine import MetricsLog, autocast, print_epoch_line, print_loss_line, print_test_lines, synchronize
 from common.model import NeuralNetwork
 from common.ranks import (DistContext, check_flags_and_set_threads, check_torchrun_worker, destroy_process_group,
-                          name_rank_in_errors, print0, print_parameter_bytes, rank_device)
+                          local_rank_0_first, print0, print_parameter_bytes, rank_device)
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: each stage its layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -48,7 +48,6 @@ def main():
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    name_rank_in_errors(rank, world_size)
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type == "cuda":
@@ -74,10 +73,8 @@ def train(cfg, ctx):
     # Step 4, data: every stage walks chapter 1's shuffle, the whole global batch (1 replica): the first stage feeds
     # its images into the pipeline, the last its labels into the loss; the stages between use neither. The test set
     # goes through in batches of the same size (a pipeline's micro-batches have one shape), each image once.
-    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
-        locate_fashion_mnist(cfg.data_dir)
-    dist.barrier()  # ... while the others wait here
-    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    with local_rank_0_first(ctx):  # One process per machine finds the data (downloading it if it must), then the rest.
+        train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=train_sampler, collate_fn=default_convert)

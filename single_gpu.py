@@ -3,7 +3,7 @@
     python single_gpu.py                          # 5 epochs, batch 64, lr 1e-3, seed 0
     CUDA_VISIBLE_DEVICES=0 python single_gpu.py   # pick the GPU
 
-Every later chapter is this file plus the lines its strategy needs: `diff single_gpu.py ddp_launch.py`.
+Every later chapter is chapter 1 plus the lines its strategy needs: `diff single_gpu.py ddp_launch.py`.
 """
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_convert
@@ -35,9 +35,9 @@ def train(cfg, ctx):
     train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=cfg.seed)
-    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // cfg.accum_steps, sampler=train_sampler,
-                              collate_fn=default_convert)  # a batch comes whole from the dataset: nothing to stack
-    test_loader = DataLoader(test_set, batch_size=1000, collate_fn=default_convert)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size // cfg.accum_steps,
+                              sampler=train_sampler, collate_fn=default_convert)
+    test_loader = DataLoader(test_set, batch_size=1000, collate_fn=default_convert)  # The dataset gives whole batches.
 
     torch.manual_seed(cfg.seed)  # the same initial weights in every chapter
     model = NeuralNetwork().to(ctx.device)
@@ -56,11 +56,13 @@ def train(cfg, ctx):
         train_sampler.set_epoch(epoch)  # without it, every epoch would repeat epoch 0's order
         train_one_epoch(model, train_loader, optimizer, scaler, epoch, cfg, ctx, metrics)
         evaluate(model, test_loader, epoch, ctx, metrics)
-        save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx)  # Every --save-every epochs, if --snapshot is set.
+        if save_snapshot(model, optimizer, scaler, epoch + 1, cfg, ctx):  # Every --save-every epochs, with --snapshot.
+            return  # SLURM warned of its time limit (docs/slurm.md): the snapshot holds the run.
     print0(ctx, "Done!")
 
     # Step 7, save: the plain model's weights, once, without DDP's `module.` prefix, so every chapter loads them.
-    save_weights(model, output / "model.pth")
+    if ctx.is_main:
+        save_weights(model, output / "model.pth")
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
 
 

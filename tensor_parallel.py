@@ -24,11 +24,11 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, default_con
 
 from common.checkpoint import StopAtTimeLimit, atomic_save, prepare_output
 from common.cli import POSITIVE, UsageError, check_fsdp2, flag, parse_config, run_main
-from common.data import load_fashion_mnist, locate_fashion_mnist
+from common.data import load_fashion_mnist
 from common.engine import MetricsLog, evaluate, train_one_epoch
 from common.model import NeuralNetwork
 from common.ranks import (DistContext, check_flags_and_set_threads, check_global_batch, check_torchrun_worker,
-                          destroy_process_group, name_rank_in_errors, print0, print_parameter_bytes, rank_device)
+                          destroy_process_group, local_rank_0_first, print0, print_parameter_bytes, rank_device)
 from fsdp import load_sharded_snapshot, save_sharded_snapshot  # chapter 7's DCP snapshots: they take DTensors too
 
 
@@ -42,7 +42,6 @@ def main():
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    name_rank_in_errors(rank, world_size)
     check_global_batch(cfg.batch_size, cfg.dp, cfg.accum_steps)  # the batch is split over the dp groups only
     # Step 2, device: this process's GPU, or the CPU (--device cpu, or no GPU visible).
     device = rank_device(cfg.device, local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -84,10 +83,8 @@ def train(cfg, ctx):
 
     # Step 4, data: the tp ranks of a row work on the same batch, so chapter 1's shuffle is split over the rows only:
     # row d takes every dp-th image (with --dp 1 every rank takes the whole global batch).
-    if ctx.local_rank == 0:  # one process per machine finds the data, downloading it if it must ...
-        locate_fashion_mnist(cfg.data_dir)
-    dist.barrier()  # ... while the others wait here
-    train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
+    with local_rank_0_first(ctx):  # One process per machine finds the data (downloading it if it must), then the rest.
+        train_set, test_set, folder = load_fashion_mnist(cfg, ctx.device)
     print0(ctx, f"Data: {folder} ({len(train_set)} train / {len(test_set)} test images)")
     train_sampler = DistributedSampler(train_set, num_replicas=cfg.dp, rank=dp_rank, seed=cfg.seed)
     train_loader = DataLoader(train_set, batch_size=cfg.batch_size // (cfg.dp * cfg.accum_steps),

@@ -78,7 +78,7 @@ def on_rank0_then_all_reduce(write, ctx, what):
 
 
 def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=None):
-    """With --snapshot, when due: rank 0 writes it, every rank learns if it could; hook_state: PowerSGD's, gathered."""
+    """With --snapshot, when due: rank 0 writes it, all learn if it could (hook_state: PowerSGD's); True: stop now."""
     if snapshot_due(epochs_done, cfg):
         hook = hook_state.all_gather(ctx) if hook_state else None
         on_rank0_then_all_reduce(lambda: atomic_save(dict(
@@ -87,6 +87,7 @@ def save_snapshot(model, optimizer, scaler, epochs_done, cfg, ctx, hook_state=No
             optimizer=optimizer.state_dict(),
             scaler=scaler.state_dict() if scaler else {},  # fp16's loss scale ({} when off, or no scaler)
             comm_hook=hook), cfg.snapshot), ctx, f"write the snapshot {cfg.snapshot}")
+    return time_limit_near(epochs_done, cfg, ctx)
 
 
 def read_snapshot(path, kind, device="cpu"):
@@ -117,6 +118,7 @@ def check_resumable(about, cfg, where):
 
 def load_snapshot(model, optimizer, scaler, cfg, ctx, hook_state=None):
     """With --snapshot FILE there: it loaded into model, optimizer (and the hook's state); the epochs it holds, or 0."""
+    signal.signal(signal.SIGUSR1, lambda signum, frame: TIME_LIMIT_WARNING.set())
     path = Path(cfg.snapshot or ".")
     if cfg.snapshot:
         prepare_output(path.parent, "--snapshot")  # Fail now, not after the first epoch.
@@ -143,21 +145,27 @@ def print_resumed(ctx, where, epochs_done, cfg):
     print0(ctx, f"Resuming from {where}: {epochs_done} of {cfg.epochs} epochs done, {left}")
 
 
+# Set by SIGUSR1, SLURM's warning before the job's time limit (scripts/job.sh), once load_snapshot has set the handler.
+TIME_LIMIT_WARNING = threading.Event()
+
+
+def time_limit_near(epochs_done, cfg, ctx):
+    """After each epoch (an all-reduce): True, and one line, when any rank was warned and a snapshot holds the run."""
+    warned = all_reduce_sum([TIME_LIMIT_WARNING.is_set()], ctx)[0]  # The sum over the ranks: did any of them hear it?
+    if stop := bool(warned) and snapshot_due(epochs_done, cfg) and epochs_done < cfg.epochs:
+        print0(ctx, f"Stopping after epoch {epochs_done} of {cfg.epochs} (SIGUSR1: the time limit is near); "
+                    f"{cfg.snapshot} holds it")
+    return bool(stop)
+
+
 class StopAtTimeLimit:
-    """SIGUSR1, SLURM's warning before the time limit (scripts/job.sh): stop after this epoch, once saved."""
+    """For chapters whose snapshots are their own (7, 9, 10): SIGUSR1 stops the run after an epoch, once saved."""
 
     def __init__(self):
-        self.warned = threading.Event()
-        signal.signal(signal.SIGUSR1, lambda signum, frame: self.warned.set())
+        signal.signal(signal.SIGUSR1, lambda signum, frame: TIME_LIMIT_WARNING.set())
 
     def any_rank_warned(self, epochs_done, cfg, ctx):
-        """After each epoch (an all-reduce): True, and one line, when any rank was warned and a snapshot holds it."""
-        warned = all_reduce_sum([self.warned.is_set()], ctx)[0]
-        if warned and snapshot_due(epochs_done, cfg) and epochs_done < cfg.epochs:
-            print0(ctx, f"Stopping after epoch {epochs_done} of {cfg.epochs} (SIGUSR1: the time limit is near); "
-                        f"{cfg.snapshot} holds it")
-            return True
-        return False
+        return time_limit_near(epochs_done, cfg, ctx)
 
 
 def flat_optimizer_options():

@@ -96,8 +96,8 @@ def check_global_batch(batch_size, world_size, accum_steps=1):
                          f"multiple of {world_size * accum_steps}")
 
 
-def check_torchrun_worker():
-    """A torchrun worker, whose --max-restarts each need a fresh store (a shared one keeps the dead workers' keys)."""
+def check_torchrun_worker(cfg=None):
+    """A torchrun worker (--max-restarts each need a fresh store); its errors then name its rank; cfg's batch splits."""
     if not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} <= os.environ.keys():
         raise UsageError(f"RANK/LOCAL_RANK/WORLD_SIZE are not set: start this script with torchrun, e.g. "
                          f"`torchrun --standalone --nproc-per-node 2 {Path(sys.argv[0]).name}`")
@@ -105,6 +105,19 @@ def check_torchrun_worker():
         raise UsageError("torchrun --max-restarts needs a fresh store per restart: run it as "
                          "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...` with a c10d rendezvous (--standalone, "
                          "or --rdzv-backend c10d --rdzv-endpoint HOST:PORT), not --master-addr/--node-rank")
+    name_rank_in_errors(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    if cfg is not None:
+        check_global_batch(cfg.batch_size, int(os.environ["WORLD_SIZE"]), cfg.accum_steps)
+
+
+@contextlib.contextmanager
+def local_rank_0_first(ctx):
+    """The block runs on each machine's local rank 0 first (it may download files), then on that machine's others."""
+    if ctx.local_rank != 0:
+        dist.barrier()  # It meets local rank 0's barrier below, once that rank has run the block.
+    yield
+    if ctx.local_rank == 0:
+        dist.barrier()
 
 
 def ephemeral_low():

@@ -55,7 +55,7 @@ fi
 trap 'warned=1; [ -z "$step" ] || kill -USR1 "$step"' USR1
 # torchrun itself must not see SIGUSR1 (it would die of it, and take its workers along): it starts with the signal
 # ignored (an ignored signal stays ignored across exec, in every shell; coreutils' `env --ignore-signal` needs 8.31),
-# and each worker sets its own handler (the chapters' StopAtTimeLimit).
+# and each worker sets its own handler (load_snapshot in common/checkpoint.py, or StopAtTimeLimit).
 srun --kill-on-bad-exit=1 bash -c 'trap "" USR1; exec torchrun "$@"' torchrun --nnodes "$SLURM_NNODES" \
     --nproc-per-node "${NPROC_PER_NODE:-gpu}" --rdzv-backend c10d --rdzv-endpoint "$head:$port" \
     --rdzv-id "$SLURM_JOB_ID" "$chapter" "$@" &

@@ -70,9 +70,9 @@ MUTATIONS = [
          "total_loss, total_correct, total = float(loss_sum), float(correct), float(seen)")),
     bug("eval-counts-sampler-padding", "exact metrics: no padded duplicates in the test shards",
         ["tests/test_ddp.py::test_ddp_trains_the_same_model[mp-3]"],
-        ("ddp_mp.py", "test_loader = DataLoader(Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size)), "
-         "batch_size=1000,", "test_loader = DataLoader(test_set, batch_size=1000, sampler=DistributedSampler(test_set, "
-         "ctx.world_size, ctx.rank, shuffle=False),")),
+        ("ddp_mp.py", "test_set = Subset(test_set, range(ctx.rank, len(test_set), ctx.world_size))\n"
+         "    test_loader = DataLoader(test_set, batch_size=1000,", "test_loader = DataLoader(test_set, batch_size=1000, "
+         "sampler=DistributedSampler(test_set, ctx.world_size, ctx.rank, shuffle=False),")),
     bug("teardown-before-the-error-line", "a rank that fails says its line before its teardown, which it leaves "
         "without a wait (NCCL since torch 2.6 finishes every queued collective first: one no peer joins never ends)",
         ["tests/test_errors.py::test_a_rank_that_fails_with_a_collective_in_flight_says_its_line_and_leaves_at_once"],
@@ -484,8 +484,8 @@ MUTATIONS = [
         ("dataparallel.py", "num_replicas=1, rank=0, seed=cfg.seed)", "num_replicas=1, rank=0, seed=cfg.seed + 1)")),
     bug("sigusr1-not-summed", "time limits: the ranks sum the warning, so all stop after the same epoch",
         ["tests/test_snapshots_and_resume.py::test_sigusr1_to_one_rank_stops_every_rank_after_the_same_epoch"],
-        ("common/checkpoint.py", "warned = all_reduce_sum([self.warned.is_set()], ctx)[0]",
-         "warned = self.warned.is_set()")),
+        ("common/checkpoint.py", "warned = all_reduce_sum([TIME_LIMIT_WARNING.is_set()], ctx)[0]",
+         "warned = TIME_LIMIT_WARNING.is_set()")),
     bug("warned-job-not-requeued", "time limits: a warned job requeues itself and resumes",
         ["tests/test_slurm_requeue.py::test_a_warned_job_requeues_itself_and_ends_as_if_left_alone[srun-tasks]"],
         ("scripts/job.sh", 'scontrol requeue "$SLURM_JOB_ID" ;;', "true ;;")),
@@ -630,8 +630,8 @@ MUTATIONS = [
     # --- The GPU path, played on the CPU ---
     bug("every-rank-downloads", "the ranks of one machine fetch the data once",
         ["tests/test_data.py::test_the_ranks_of_one_machine_download_the_data_once"],
-        ("ddp_launch.py", "    if ctx.local_rank == 0:  # one process per machine",
-         "    if True:  # one process per machine")),
+        ("common/ranks.py", "    if ctx.local_rank != 0:\n        dist.barrier()  # It meets", "    if False:\n        dist.barrier()  # It meets"),
+        ("common/ranks.py", "    if ctx.local_rank == 0:\n        dist.barrier()\n", "    if True:\n        dist.barrier()\n")),
     bug("own-gpu-refused", "srun --gpus-per-task 1: a rank that sees one GPU uses it",
         [f"{GPU_PATH}::test_each_rank_finds_its_gpu[srun-gpu-per-task]"],
         ("common/ranks.py", "    if gpus == 1 and not ranks_here:", "    if False:")),
