@@ -1,4 +1,4 @@
-"""Every entry script of chapters 1 to 6, every bad value: exit 2, one line on stderr, nothing on stdout, no
+"""Every entry script of chapters 1 to 6 (and 3b's fp16), every bad value: exit 2, one line on stderr, nothing on stdout, no
 traceback. (The other chapters' refusals are in their own files: test_fsdp.py, test_tensor_parallel.py,
 test_pipeline.py, test_diloco.py, test_comm_hooks.py, test_training_flags.py.)"""
 import pytest
@@ -18,6 +18,11 @@ BAD = [(s, flag, NEEDS.get(s, ([], {}))[1], None) for s in SCRIPTS for flag in C
     ("ddp_launch.py", ["--batch-size", "63"], TORCHRUN_ENV, "split evenly over 2"),
     ("ddp_tcp_manual.py", ["--batch-size", "63"], {}, "split evenly over 2"),
     ("ddp_slurm.py", ["--batch-size", "63"], SLURM_ENV, "split evenly over 2"),
+    # docs/exercises.md and README's "Try it": 3 ranks at the default batch of 64; chapter 3b without a loss scaler
+    ("ddp_launch.py", ["--batch-size", "64"], dict(TORCHRUN_ENV, WORLD_SIZE="3", LOCAL_WORLD_SIZE="3"),
+     "--batch-size 64 is the global batch and must split evenly over 3 ranks"),
+    ("ddp_mp.py", ["--nprocs", "3"], {}, "--batch-size 64 is the global batch and must split evenly over 3 ranks"),
+    ("ddp_by_hand.py", ["--precision", "fp16"], TORCHRUN_ENV, "ddp_by_hand.py trains in --precision fp32 or bf16"),
     # ranks and world sizes
     ("ddp_tcp_manual.py", ["--rank", "2"], {}, "--rank 2 must be below --world-size 2"),
     ("ddp_tcp_manual.py", ["--world-size", "0"], {}, "--world-size"),

@@ -744,6 +744,13 @@ MUTATIONS = [
         ["tests/test_warm_starts.py::test_a_request_whose_start_differs_runs_cold"],
         ("tests/programs/import_time.py", "    return sorted(k for k in keys if env.get(k) != started_with.get(k))",
          "    return []")),
+    # --- The exercises (docs/exercises.md, README's "Try it") ---
+    bug("set-epoch-hidden-in-the-loop", "the exercise: without the chapter's set_epoch, epoch 2 repeats epoch 1's order",
+        ["tests/test_exercises.py::test_without_set_epoch_epoch_2_repeats_epoch_1s_order"],
+        ("common/engine.py", "    model.train()\n", "    model.train()\n    loader.sampler.set_epoch(epoch)\n")),
+    bug("chapter-1-shuffle-unseeded", "the exercise: chapter 1 run twice trains the same model",
+        ["tests/test_exercises.py::test_chapter_1_twice_is_the_same_model"],
+        ("single_gpu.py", "num_replicas=1, rank=0, seed=cfg.seed)", "num_replicas=1, rank=0, seed=torch.seed() % 2**31)")),
 ]
 
 
