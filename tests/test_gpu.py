@@ -184,6 +184,25 @@ def test_a_resumed_run_on_cuda_is_the_uninterrupted_one(twin, real_data, tmp_pat
     assert difference == 0
 
 
+def test_sigusr1_stops_a_cuda_run_at_its_snapshot(real_data, tmp_path, procs):
+    """test_snapshots_and_resume's chapter 1 warned by SIGUSR1, on the GPU: it stops after the epoch, at a snapshot
+    that holds it (the flag summed on the device), and writes no model.pth."""
+    import signal
+
+    from support.long_runs import Watched, args_for
+
+    snap = tmp_path / "snap.pt"
+    run = Watched(procs, [sys.executable, "single_gpu.py", "--device", "cuda",
+                          *args_for(real_data, tmp_path / "run", "--snapshot", snap)])
+    run.wait_for("Epoch 2")
+    os.kill(run.proc.pid, signal.SIGUSR1)
+    code, out, err = run.finish()
+    stopped = re.findall(r"^Stopping after epoch (\d) of 3 \(SIGUSR1: the time limit is near\)", out, re.M)
+    assert code == 0 and len(stopped) == 1 and "Done!" not in out and "Using cuda" in out, out + err
+    assert torch.load(snap, weights_only=True)["epochs_done"] == int(stopped[0])
+    assert not (tmp_path / "run" / "model.pth").exists()
+
+
 def test_timeline_shows_one_step_on_the_gpu(tmp_path):
     """measure/timeline.py on one GPU (NCCL, one rank): each recorded step holds DDP's two buckets' all-reduces once
     each (torch's trace holds each NCCL collective twice: its CPU op and a GPU copy), with their bytes; the GPU's own

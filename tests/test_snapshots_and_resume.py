@@ -98,6 +98,21 @@ def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_epoch(real_data, tm
     assert not (tmp_path / "run" / "model.pth").exists()  # not finished: the requeued job writes it
 
 
+def test_sigusr1_stops_chapter_1_after_the_epoch_at_its_snapshot(real_data, tmp_path, procs):
+    """One process under SLURM (sbatch of chapter 1) is warned the same way: it stops after the epoch, at a snapshot
+    that holds it, and writes no model.pth; without --snapshot SIGUSR1 would have ended it."""
+    snap = tmp_path / "snap.pt"
+    run = Watched(procs, [sys.executable, "single_gpu.py", *args_for(real_data, tmp_path / "run", "--snapshot", snap)])
+    run.wait_for("Epoch 2")
+    os.kill(run.proc.pid, signal.SIGUSR1)
+    code, out, err = run.finish()
+    stopped = re.findall(rf"^Stopping after epoch (\d) of 3 \(SIGUSR1: the time limit is near\); {re.escape(str(snap))} "
+                         r"holds it$", out, re.M)
+    assert code == 0 and len(stopped) == 1 and "Done!" not in out, out + err
+    assert torch.load(snap, weights_only=True)["epochs_done"] == int(stopped[0])
+    assert not (tmp_path / "run" / "model.pth").exists()
+
+
 def test_restartable_torchrun_without_a_fresh_store_is_refused(procs):
     """--max-restarts with torchrun's shared store would restart into the dead workers' keys: one line, exit."""
     p = procs.start([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "ddp_launch.py"])
