@@ -31,7 +31,6 @@ def _number(kind, ok, words):
         if not ok(kind(text)):  # Written `not ok` so that it also refuses nan.
             raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
         return kind(text)
-
     parse.__name__ = kind.__name__  # For text that is no number, argparse's line names it: "invalid int value: 'two'".
     return parse
 
