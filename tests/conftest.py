@@ -43,6 +43,8 @@ QUICK = [
     "tests/test_diloco.py::test_diloco_trains_post_local_sgds_model[2]",
     "tests/test_fault_tolerance.py::test_two_groups_train_chapter_1s_model",
     "tests/test_fault_tolerance.py::test_the_refusals_are_one_line_each",
+    # the template a reader copies: plain python and torchrun at 1 and 2 ranks, chapter 1's model
+    "tests/test_template.py",
     # the chapters read as the lesson, and refuse what cannot work in one line
     "tests/test_chapters_read_as_the_lesson.py::test_each_ddp_chapter_reads_as_the_lesson_top_to_bottom",
     "tests/test_chapters_read_as_the_lesson.py::test_chapters_1_and_2_mark_the_steps_they_share",

@@ -514,6 +514,103 @@ MUTATIONS = [
     bug("early-stop-plateau-1-percent", "chapter 8: --bug early-stop alone shows the bug on the full data",
         ["tests/test_debug_hang.py::test_early_stop_alone_stops_after_epoch_2_on_the_full_data"],
         ("debug_hang.py", "PLATEAU = 0.15", "PLATEAU = 0.01")),
+    bug("unused-parameters-fix-dropped", "chapter 8: --fix passes find_unused_parameters=True to DDP",
+        ["tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[unused-parameters]"],
+        ("debug_hang.py", 'find_unused = bug == "unused-parameters" and fix', "find_unused = False")),
+    bug("slow-save-fix-on-the-main-thread", "chapter 8: --fix writes the checkpoint off the training path",
+        ["tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[slow-save]"],
+        ("debug_hang.py", "        self.thread = threading.Thread(target=self._write, args=(cpu_copy(module), path, "
+         "seconds))\n        self.thread.start()\n", "        self._write(cpu_copy(module), path, seconds)\n")),
+    bug("slow-save-last-write-not-joined", "chapter 8: --fix joins the last checkpoint's write before the end",
+        ["tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[slow-save]"],
+        ("debug_hang.py", "        writer.wait()  # slow-save:", "        pass  # slow-save:")),
+    bug("augmentation-fix-ignores-the-index", "chapter 8: --fix draws image i's shift from (seed, epoch, i)",
+        ["tests/test_debug_hang.py::test_silent_fix_trains_one_process_model[same-augmentation]"],
+        ("debug_hang.py", "shifts = self.table[indices]", "shifts = self.table[:len(indices)]")),
+    bug("batchnorm-fix-without-the-all-reduce", "chapter 8: --fix normalises by the global batch's statistics",
+        ["tests/test_debug_hang.py::test_silent_fix_trains_one_process_model[batchnorm]"],
+        ("debug_hang.py", "mean = SumOverRanks.apply(x.sum(0)) / count", "mean = x.sum(0) / len(x)"),
+        ("debug_hang.py", "var = SumOverRanks.apply(((x - mean) ** 2).sum(0)) / count",
+         "var = ((x - mean) ** 2).sum(0) / len(x)")),
+    bug("batchnorm-fix-gradient-not-summed", "chapter 8: the hand-made batch norm's backward sums its gradients",
+        ["tests/test_debug_hang.py::test_silent_fix_trains_one_process_model[batchnorm]"],
+        ("debug_hang.py", "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n",
+         "        return grad\n")),
+    bug("batchnorm-fix-biased-running-var", "chapter 8: the hand-made batch norm keeps torch's running statistics",
+        ["tests/test_debug_hang.py::test_silent_fix_trains_one_process_model[batchnorm]"],
+        ("debug_hang.py", "self.running_var.lerp_(var * count / (count - 1), self.momentum)",
+         "self.running_var.lerp_(var, self.momentum)")),
+    bug("clip-norm-not-all-reduced", "chapter 8: --fix clips by the whole gradient's norm, summed over the ranks",
+        ["tests/test_debug_hang.py::test_silent_fix_trains_one_process_model[shard-grad-norm]"],
+        ("debug_hang.py", "        dist.all_reduce(squares)  # FIX:", "        pass  # FIX:")),
+    bug("save-wrapped-fix-saves-the-wrapper", "chapter 8: --fix saves model.module, whose keys are chapter 1's",
+        ["tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[save-wrapped]"],
+        ("debug_hang.py", 'if ctx.is_main and bug == "save-wrapped" and not fix:',
+         'if ctx.is_main and bug == "save-wrapped":')),
+
+    # --- The template (scripts/template.py): one plain file a reader copies, training chapter 1's model ---
+    # Each one verified with planted.py's own copy_of_project/apply/run_tests on the whole of tests/test_template.py
+    # (torch 2.14.1, CPU, 2 cores); the tests named turned red, and "also red" lists the others that did.
+    # Also red: prints_chapter_1s_lines at every case, and the file test (its calls in order).
+    bug("template-no-set-epoch", "same model: every epoch draws a new shuffle from seed + epoch",
+        ["tests/test_template.py::test_the_template_trains_chapter_1s_model[python]",
+         "tests/test_template.py::test_the_template_trains_chapter_1s_model[torchrun-2]"],
+        ("scripts/template.py", "        train_sampler.set_epoch(epoch)  # without it, every epoch would repeat "
+         "epoch 0's order\n", "        pass\n")),
+    # Also red: prints_chapter_1s_lines[torchrun-2] and the file test.
+    bug("template-whole-batch-per-rank", "same model: the global batch is --batch-size, split over the ranks",
+        ["tests/test_template.py::test_the_template_trains_chapter_1s_model[torchrun-2]"],
+        ("scripts/template.py", "batch_size=args.batch_size // world_size,", "batch_size=args.batch_size,")),
+    # Also red: prints_chapter_1s_lines[torchrun-2] and the file test.
+    bug("template-every-rank-reads-shard-0", "same model: the ranks' k-th batches together are chapter 1's k-th batch",
+        ["tests/test_template.py::test_the_template_trains_chapter_1s_model[torchrun-2]"],
+        ("scripts/template.py", "num_replicas=world_size, rank=rank, seed=args.seed",
+         "num_replicas=world_size, rank=0, seed=args.seed")),
+    # Also red: prints_chapter_1s_lines at every case.
+    bug("template-seed-after-model", "same model: torch.manual_seed(seed) right before the model is built",
+        ["tests/test_template.py::test_the_template_trains_chapter_1s_model[torchrun-2]"],
+        ("scripts/template.py", "    torch.manual_seed(args.seed)  # the same initial weights in every chapter\n"
+         "    model = build_model().to(device)\n", "    model = build_model().to(device)\n"
+         "    torch.manual_seed(args.seed)  # the same initial weights in every chapter\n")),
+    # Also red: prints_chapter_1s_lines at every case.
+    bug("template-momentum", "same model: chapter 1's optimizer, plain SGD (momentum 0)",
+        ["tests/test_template.py::test_the_template_trains_chapter_1s_model[python]"],
+        ("scripts/template.py", "torch.optim.SGD(model.parameters(), lr=args.lr)",
+         "torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)")),
+    bug("template-test-shard-not-reduced", "exact metrics: the test counts are summed over every rank's shard",
+        ["tests/test_template.py::test_the_template_prints_chapter_1s_lines[torchrun-2]"],
+        ("scripts/template.py", "        dist.all_reduce(t)  # all ranks' sums: the whole test set's\n", "")),
+    bug("template-loss-not-reduced", "the loss line is the global batch's mean loss, from every rank's share",
+        ["tests/test_template.py::test_the_template_prints_chapter_1s_lines[torchrun-2]"],
+        ("scripts/template.py", "                dist.all_reduce(t)\n", "")),
+    # Also red: prints_chapter_1s_lines[torchrun-2] (Done! twice).
+    bug("template-every-rank-prints", "rank 0 alone prints the tutorial lines",
+        ["tests/test_template.py::test_only_rank_0_prints[torchrun-2]"],
+        ("scripts/template.py", "print(*line, flush=True) if rank == 0 else None", "print(*line, flush=True)")),
+    # Also red: trains_chapter_1s_model[python] and prints_chapter_1s_lines[python].
+    bug("template-no-hashstore", "the template runs without torchrun too, as a world of one",
+        ["tests/test_template.py::test_only_rank_0_prints[python]"],
+        ("scripts/template.py", 'store = None if "RANK" in os.environ else dist.HashStore()', "store = None")),
+    bug("template-batch-check-dropped", "a global batch that does not split over the ranks is refused in one line",
+        ["tests/test_template.py::test_a_batch_that_does_not_split_is_refused_in_one_line"],
+        ("scripts/template.py", "    if args.batch_size % world_size:\n", "    if False:\n")),
+    # Also red: every test that runs the file (run from scripts/, `common` is not importable: the copy would break).
+    bug("template-imports-common", "the template is one file of plain torch + torchvision, never common/",
+        ["tests/test_template.py::test_the_template_is_one_plain_file_marked_like_chapter_3"],
+        ("scripts/template.py", "import argparse\n",
+         "import argparse\nfrom common.model import NeuralNetwork as _  # noqa: F401\n")),
+    bug("template-121-lines", "the template is at most 120 lines",
+        ["tests/test_template.py::test_the_template_is_one_plain_file_marked_like_chapter_3"],
+        ("scripts/template.py", "import argparse\n",
+         "import argparse\nimport sys  # noqa: F401  (planted: one line too many)\n")),
+    bug("template-step-renamed", "the lesson is in the file: the 8 steps marked as chapter 3 marks them",
+        ["tests/test_template.py::test_the_template_is_one_plain_file_marked_like_chapter_3"],
+        ("scripts/template.py", "# Step 5, wrap:", "# Step 5, DDP:")),
+
+    # --- docs/your_model.md: the learning rate when the global batch grows ---
+    bug("chapter-1-ignores-batch-size", "a 4x global batch at the same lr trains slower; at 4x the lr it catches up",
+        ["tests/test_your_model.py::test_a_4x_global_batch_at_the_same_lr_trains_slower_and_a_4x_lr_catches_up"],
+        ("single_gpu.py", "batch_size=cfg.batch_size // cfg.accum_steps,", "batch_size=48 // cfg.accum_steps,")),
 
     # --- Chapter 9: tensor parallel, and 2-D with FSDP2 ---
     bug("tp-plan-swapped", "chapter 9: the first Linear split by its outputs, the second by its inputs",

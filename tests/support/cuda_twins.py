@@ -37,7 +37,8 @@ class Twin:
       same     chapter 1's CUDA weights, trained with the same model flags (ref: others), within test_gpu.SAME_MODEL;
       trains   it trains (16-bit gradients, a pipeline's micro-batches in bf16): an accuracy near chapter 1's;
       resume   stopped after epoch 1 by --snapshot and resumed, it ends equal to the uninterrupted run;
-      refused  exit 2 and one error line that says `says`."""
+      refused  exit 2 and one error line that says `says`;
+      one-process  a silent case of chapter 8 fixed: its model.pth within the bound it prints of its one_process.pth."""
 
     chapter: str
     flags: tuple = ()
@@ -68,6 +69,13 @@ TWINS = [
     Twin("debug_hang.py", ("--bug", "early-stop", "--fix", "--epochs", "3"), ref=()),  # stops after epoch 2 of 3
     Twin("debug_hang.py", ("--bug", "uneven-batches", "--fix", "--train-samples", "961")),
     Twin("debug_hang.py", ("--bug", "shape-mismatch", "--fix")),
+    Twin("debug_hang.py", ("--bug", "unused-parameters", "--fix")),
+    Twin("debug_hang.py", ("--bug", "save-wrapped", "--fix")),
+    Twin("debug_hang.py", ("--bug", "slow-save", "--fix", "--timeout", "5")),  # writes --timeout + 8 s, off the path
+    # The silent cases fixed: the model one process trains, which the run trains too and saves beside its own.
+    Twin("debug_hang.py", ("--bug", "same-augmentation", "--fix"), "one-process"),
+    Twin("debug_hang.py", ("--bug", "batchnorm", "--fix"), "one-process"),
+    Twin("debug_hang.py", ("--bug", "shard-grad-norm", "--fix", "--max-norm", "0.5"), "one-process"),
     Twin("ddp_mp.py", ("--seed", "7", "--lr", "0.01")),
     # --precision: chapter 1's model at the same precision; FSDP2 computes in bf16 weights and the pipeline per
     # micro-batch, so theirs are not bit for bit chapter 1's and must train as well.
