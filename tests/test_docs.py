@@ -57,8 +57,8 @@ NOT_RUN_HERE = [
 ]
 SLICE = "--train-samples 960 --test-samples 500"
 CHAPTER_NAMES = ("single_gpu", "dataparallel", "ddp_launch", "ddp_by_hand", "ddp_mp", "ddp_tcp_manual", "ddp_slurm",
-                 "fsdp", "debug_hang", "tensor_parallel", "pipeline", "diloco", "ddp_comm_hooks")
-# A chapter started by python or torchrun (not one named as a pattern, as in `pgrep -f ddp_launch.py`).
+                 "fsdp", "debug_hang", "tensor_parallel", "pipeline", "diloco", "ddp_comm_hooks", "scripts/template")
+# A chapter or the template started by python or torchrun (not one named as a pattern: `pgrep -f ddp_launch.py`).
 CHAPTER = re.compile(r"((?:python3?|torchrun)\s(?:[^;&|()]*?\s)?(?:" + "|".join(CHAPTER_NAMES) + r")\.py)\b")
 
 
@@ -142,7 +142,7 @@ def written(command):
         script = re.search(r"(?:^|\s)(\S+)\.py(?:\s|$)", part)
         if script and script[1] in CHAPTER_NAMES and CHAPTER.search(part):
             output = re.search(r"--output\s+(\S+)", part)
-            paths |= {output[1] if output else f"runs/{script[1]}", *re.findall(r"--snapshot\s+(\S+)", part)}
+            paths |= {output[1] if output else f"runs/{Path(script[1]).name}", *re.findall(r"--snapshot\s+(\S+)", part)}
     return paths
 
 
@@ -281,7 +281,10 @@ def run_doc_command(doc, command, status, workspace, real_data, port, env, kille
     # No traceback of ours. torchrun ends a failed job with its own report (a traceback of its launcher, then
     # each worker's from its error file): that report is torchrun's, and is cut off before the check.
     ours = re.sub(r'Traceback \(most recent call last\):\n  File "[^"]*/torchrun".*', "", proc.stderr, flags=re.S)
-    assert "Traceback" not in ours, f"{doc}: `{command}`\n{proc.stderr[-3000:]}"
+    # Chapter 8's broken cases may end in an error torch explains itself (DDP's unused parameters, load_state_dict's
+    # keys): shown whole, with its traceback, as every error we do not recognise is; that message is the lesson.
+    broken_on_purpose = "debug_hang.py" in command and "--fix" not in command
+    assert broken_on_purpose or "Traceback" not in ours, f"{doc}: `{command}`\n{proc.stderr[-3000:]}"
     # The kill demos really kill mid-run, and what runs next resumes: torchrun at once, a rerun by hand.
     # torchrun's report names the failure it dates first: the killed rank (exitcode -9), or rank 0 (exitcode 1),
     # which saw its peer's connection close and wrote its error file (@record) before torchrun's next poll came

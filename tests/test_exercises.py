@@ -49,6 +49,14 @@ EXERCISES = {
         "tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[early-stop]"],
     "Run `python debug_hang.py --bug shape-mismatch`": [
         "tests/test_debug_hang.py::test_broken_case_fails_soon_naming_the_mismatch[shape-mismatch]"],
+    "Run `torchrun --standalone --nproc-per-node 2 debug_hang.py --bug batchnorm`": [
+        "tests/test_debug_hang.py::test_silent_case_trains_a_model_unlike_one_process[batchnorm]",
+        "tests/test_debug_hang.py::test_silent_fix_trains_one_process_model[batchnorm]"],
+    "Run `python scripts/template.py` without torchrun": [
+        "tests/test_template.py::test_the_template_prints_chapter_1s_lines[python]",
+        "tests/test_template.py::test_the_template_trains_chapter_1s_model[python]"],
+    "Run `torchrun --standalone --nproc-per-node 2 scripts/template.py --batch-size 47`": [
+        "tests/test_template.py::test_a_batch_that_does_not_split_is_refused_in_one_line"],
     "Run `torchrun --standalone --nproc-per-node 3 tensor_parallel.py`": [
         "tests/test_tensor_parallel.py::test_three_ranks_cannot_split_the_hidden_layer"],
     "Run `torchrun --standalone --nproc-per-node 4 tensor_parallel.py --dp 2`": [
