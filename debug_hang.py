@@ -426,7 +426,8 @@ def fit(cfg, bug, fix, ctx, train_set, test_set, watch, metrics):
     if bug == "same-augmentation" and ctx.world_size > 1:
         print_alike_shifts(train_set, ctx)
     state = (model.module if isinstance(model, DDP) else model).state_dict()
-    return {k: getattr(v, "full_tensor", lambda v=v: v)().detach().cpu() for k, v in state.items()}  # FSDP2: gathered
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # FSDP2's DTensors: gathered
+            for k, v in state.items()}
 
 
 def compare_with_one_process(cfg, bug, fix, ctx, output, watch, train_set, test_set):
@@ -534,12 +535,13 @@ def train(cfg, bug, fix, ctx, output, watch):
     if ctx.is_main:
         writer.wait()  # slow-save: the last checkpoint is written before the process ends
     print0(ctx, "Done!")
-    if ctx.is_main and bug == "save-wrapped" and not fix:
-        save_weights(model, output / "model.pth")  # BUG: DDP's own state_dict: every key starts with `module.`
-    elif ctx.is_main:  # FIX (save-wrapped): model.module, the plain model; its keys are chapter 1's
-        save_weights(network.net if bug == "unused-parameters" else network, output / "model.pth")
-    if ctx.is_main and bug == "save-wrapped":  # load it back as an evaluation script does: into the plain model
-        NeuralNetwork().load_state_dict(torch.load(output / "model.pth", weights_only=True))
+    if ctx.is_main:
+        if bug == "save-wrapped" and not fix:
+            save_weights(model, output / "model.pth")  # BUG: DDP's own state_dict: every key starts with `module.`
+        else:  # FIX (save-wrapped): model.module, the plain model; its keys are chapter 1's
+            save_weights(network.net if bug == "unused-parameters" else network, output / "model.pth")
+        if bug == "save-wrapped":  # load it back as an evaluation script does: into the plain model
+            NeuralNetwork().load_state_dict(torch.load(output / "model.pth", weights_only=True))
     print0(ctx, f"Saved PyTorch Model State to {output / 'model.pth'}")
 
 

@@ -32,8 +32,7 @@ def build_model():  # YOUR MODEL HERE
 
 def build_datasets(args, local_rank):  # YOUR DATA HERE: (train set, test set) of (input, label) pairs
     if local_rank == 0:  # One process per machine finds the data (downloading it if it must), then the rest.
-        for train in (True, False):
-            datasets.FashionMNIST(args.data_dir, train=train, download=True)
+        datasets.FashionMNIST(args.data_dir, download=True)  # Its download fetches both splits' files.
     dist.barrier()  # The others wait here until local rank 0 has the files; then every rank reads them.
     sets = [datasets.FashionMNIST(args.data_dir, train=t, transform=transforms.ToTensor()) for t in (True, False)]
     return [Subset(s, range(n or len(s))) for s, n in zip(sets, (args.train_samples, args.test_samples))]  # first n

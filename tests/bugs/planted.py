@@ -545,8 +545,7 @@ MUTATIONS = [
         ("debug_hang.py", "        dist.all_reduce(squares)  # FIX:", "        pass  # FIX:")),
     bug("save-wrapped-fix-saves-the-wrapper", "chapter 8: --fix saves model.module, whose keys are chapter 1's",
         ["tests/test_debug_hang.py::test_fix_trains_chapter_1s_model[save-wrapped]"],
-        ("debug_hang.py", 'if ctx.is_main and bug == "save-wrapped" and not fix:',
-         'if ctx.is_main and bug == "save-wrapped":')),
+        ("debug_hang.py", 'if bug == "save-wrapped" and not fix:', 'if bug == "save-wrapped":')),
 
     # --- The template (scripts/template.py): one plain file a reader copies, training chapter 1's model ---
     # Each one verified with planted.py's own copy_of_project/apply/run_tests on the whole of tests/test_template.py
@@ -602,7 +601,7 @@ MUTATIONS = [
     bug("template-121-lines", "the template is at most 120 lines",
         ["tests/test_template.py::test_the_template_is_one_plain_file_marked_like_chapter_3"],
         ("scripts/template.py", "import argparse\n",
-         "import argparse\nimport sys  # noqa: F401  (planted: one line too many)\n")),
+         "import argparse\nimport sys  # noqa: F401  (planted: two lines too many)\nimport io  # noqa: F401\n")),
     bug("template-step-renamed", "the lesson is in the file: the 8 steps marked as chapter 3 marks them",
         ["tests/test_template.py::test_the_template_is_one_plain_file_marked_like_chapter_3"],
         ("scripts/template.py", "# Step 5, wrap:", "# Step 5, DDP:")),
